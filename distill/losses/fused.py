@@ -1,0 +1,155 @@
+"""The loss users call: `linear_divergence` (functional) and `FusedLinearDivergence` (module).
+
+Both take final hidden states and LM-head weights, never logits. Rows that carry no
+weight (ignored labels, zero weight) are dropped before any GEMM, then the op in
+`distill.ops.linear_divergence` computes loss and gradients chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distill.losses.spec import DivergenceSpec, HeadTransform
+from distill.losses.validation import check_inputs
+from distill.ops.linear_divergence import Targets, fused_rows
+
+
+class _LinearDivergence(torch.autograd.Function):
+    """Gradients are computed in forward (the weights are known); backward scales them."""
+
+    @staticmethod
+    def forward(ctx, hs, ws, bias, rows, targets, labels, weights, opts):
+        loss, (g_h, g_w, g_b) = fused_rows(
+            hs[rows], ws, targets, labels, weights, opts["spec"], need_grad=True,
+            chunk_size=opts["chunk_size"], fp32_weight_grad=opts["fp32_weight_grad"],
+            backend=opts["backend"], student_head=opts["student_head"],
+        )
+        grad_h = torch.zeros_like(hs).index_copy_(0, rows, g_h)
+        ctx.save_for_backward(grad_h, g_w, g_b if g_b is not None else torch.empty(0))
+        ctx.has_bias = bias is not None
+        ctx.weight_dtype = ws.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        grad_h = grad_h * grad_out.to(grad_h.dtype)
+        grad_w = (grad_w * grad_out).to(ctx.weight_dtype)
+        grad_b = grad_b * grad_out if ctx.has_bias else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def linear_divergence(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    *,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    target_ids: torch.Tensor | None = None,
+    target_logprobs: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ce_weight: float = 0.0,
+    ignore_index: int = -100,
+    temperature_squared: bool = False,
+    sparse_mode: str = "tail",
+    vocab_size: int | None = None,
+    student_head: HeadTransform | None = None,
+    teacher_head: HeadTransform | None = None,
+    chunk_size: int | None = None,
+    fp32_weight_grad: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """sum_i weights_i * loss_i (fp32 scalar) between student and teacher distributions.
+
+    student_hidden (N, Hs) and student_weight (V', Hs) give the student logits; the target
+    is either a live teacher (teacher_hidden (N, Ht), teacher_weight (V'', Ht)) or cached
+    top-k (target_ids (N, K), target_logprobs (N, K) at the training temperature).
+    `weights` (N,) defaults to 1 / (number of trained positions), i.e. the mean.
+    `vocab_size` keeps the first rows of both heads (heads padded past the tokenizer);
+    by default both heads must have the same number of rows. The divergence is taken at
+    `temperature`; `temperature_squared` multiplies it by T**2. `ce_weight` adds the hard
+    label cross-entropy of the untempered student logits. Gradients flow into
+    student_hidden, student_weight (and a student bias in `student_head`).
+    """
+    spec = DivergenceSpec(kind, beta, temperature, ce_weight, ignore_index,
+                          temperature_squared, sparse_mode)
+    vocab = check_inputs(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                         target_ids, target_logprobs, labels, weights, spec, vocab_size)
+    rows, w = _trained_rows(student_hidden, labels, weights, spec)
+    lab = labels[rows] if (labels is not None and ce_weight) else None
+    targets = Targets(
+        teacher_hidden=teacher_hidden[rows] if teacher_hidden is not None else None,
+        teacher_weight=teacher_weight[:vocab] if teacher_weight is not None else None,
+        teacher_head=_sliced(teacher_head, vocab),
+        ids=target_ids[rows].long() if target_ids is not None else None,
+        logprobs=target_logprobs[rows] if target_logprobs is not None else None,
+    )
+    head = _sliced(student_head, vocab)
+    ws = student_weight[:vocab]
+    opts = dict(spec=spec, chunk_size=chunk_size, fp32_weight_grad=fp32_weight_grad,
+                backend=backend, student_head=head)
+    bias = head.bias if head is not None else None
+    need_grad = torch.is_grad_enabled() and (
+        student_hidden.requires_grad or student_weight.requires_grad
+        or (bias is not None and bias.requires_grad)
+    )
+    if not need_grad:
+        loss, _ = fused_rows(student_hidden[rows], ws, targets, lab, w, spec, need_grad=False,
+                             chunk_size=chunk_size, fp32_weight_grad=False, backend=backend,
+                             student_head=head)
+        return loss
+    loss = _LinearDivergence.apply(student_hidden, ws, bias, rows, targets, lab, w, opts)
+    return loss
+
+
+def _sliced(head: HeadTransform | None, vocab: int) -> HeadTransform | None:
+    if head is None or head.bias is None:
+        return head
+    return HeadTransform(head.bias[:vocab], head.scale, head.softcap)
+
+
+def _trained_rows(hidden, labels, weights, spec):
+    """Indices of the rows that carry weight, and their weights (fp32)."""
+    n = hidden.shape[0]
+    keep = torch.ones(n, dtype=torch.bool, device=hidden.device)
+    if labels is not None:
+        keep &= labels != spec.ignore_index
+    if weights is None:
+        w = torch.ones(n, dtype=torch.float32, device=hidden.device) / keep.sum().clamp_min(1)
+    else:
+        w = weights.float()
+        keep &= w != 0
+    rows = keep.nonzero().squeeze(-1)
+    return rows, w[rows]
+
+
+class FusedLinearDivergence(torch.nn.Module):
+    """nn.Module form of `linear_divergence`: the options once, the tensors per call."""
+
+    def __init__(self, kind="reverse_kl", beta=0.5, temperature=1.0, ce_weight=0.0,
+                 ignore_index=-100, temperature_squared=False, sparse_mode="tail",
+                 chunk_size=None, fp32_weight_grad=False, backend="auto"):
+        super().__init__()
+        self.spec = DivergenceSpec(kind, beta, temperature, ce_weight, ignore_index,
+                                   temperature_squared, sparse_mode)
+        self.chunk_size = chunk_size
+        self.fp32_weight_grad = fp32_weight_grad
+        self.backend = backend
+
+    def forward(self, student_hidden, student_weight, **kwargs):
+        s = self.spec
+        return linear_divergence(
+            student_hidden, student_weight, kind=s.kind, beta=s.beta,
+            temperature=s.temperature, ce_weight=s.ce_weight, ignore_index=s.ignore_index,
+            temperature_squared=s.temperature_squared, sparse_mode=s.sparse_mode,
+            chunk_size=self.chunk_size, fp32_weight_grad=self.fp32_weight_grad,
+            backend=self.backend, **kwargs,
+        )
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return f"kind={s.kind}, beta={s.beta}, temperature={s.temperature}, ce={s.ce_weight}"

@@ -1,0 +1,120 @@
+"""The fused linear divergence op: chunked GEMMs + a row kernel, gradients in the forward.
+
+For each chunk of trained rows: project student (and teacher) hidden states to fp32
+logits, let the row kernel compute the loss and d loss / d logits (Triton on CUDA, the
+PyTorch math in `divergence_torch.py` on CPU), then fold that gradient straight into
+d hidden and d weight. Only (chunk x V) logits exist at any time. Because the op knows the
+per-token weights up front, backward only scales the stored gradients by grad_output.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from distill.losses.spec import HeadTransform
+from distill.ops.divergence_torch import rows_loss_and_grad as torch_rows
+
+# fp32 logits per chunk the op may hold (student + teacher), in bytes.
+CHUNK_BUDGET_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
+
+
+@dataclass
+class Targets:
+    """What the student is compared with, already restricted to the trained rows."""
+
+    teacher_hidden: torch.Tensor | None = None  # (n, Ht)
+    teacher_weight: torch.Tensor | None = None  # (V, Ht)
+    teacher_head: HeadTransform | None = None
+    ids: torch.Tensor | None = None  # (n, K) int64
+    logprobs: torch.Tensor | None = None  # (n, K)
+
+
+def pick_rows_fn(device: torch.device, backend: str = "auto"):
+    """The row kernel for a device: Triton on CUDA, PyTorch on CPU (or as asked)."""
+    backend = os.environ.get("DISTILL_BACKEND", backend)
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "torch":
+        return torch_rows
+    if backend == "triton":
+        from distill.ops.divergence_triton import rows_loss_and_grad as triton_rows
+
+        return triton_rows
+    raise ValueError(f"unknown backend {backend!r}: use 'auto', 'torch' or 'triton'")
+
+
+def choose_chunk_size(n_rows: int, vocab: int, live: bool, device: torch.device) -> int:
+    budget = CHUNK_BUDGET_BYTES["cuda" if device.type == "cuda" else "cpu"]
+    per_row = vocab * 4 * (2 if live else 1)
+    return max(1, min(n_rows, budget // per_row))
+
+
+def _project(hidden, weight, head: HeadTransform | None):
+    """fp32 logits (C, V) of one chunk, and the tanh of the soft-cap (for the chain rule)."""
+    if hidden.is_cuda and hidden.dtype != torch.float32:
+        # fp32 out of the GEMM: bf16 logits lose the small probabilities' gradients.
+        z = torch.mm(hidden, weight.T, out_dtype=torch.float32)
+    else:
+        z = hidden.float() @ weight.float().T
+    if head is None:
+        return z, None
+    if head.bias is not None:
+        z += head.bias.float()
+    if head.scale != 1.0:
+        z *= head.scale
+    if head.softcap is None:
+        return z, None
+    u = torch.tanh(z / head.softcap)
+    return u * head.softcap, u
+
+
+def _chain_head(dz, u, head: HeadTransform | None):
+    """d loss / d (hidden @ weight.T) from d loss / d logits."""
+    if head is None:
+        return dz
+    if u is not None:
+        dz = dz * (1 - u * u)
+    return dz * head.scale if head.scale != 1.0 else dz
+
+
+def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, chunk_size,
+               fp32_weight_grad, backend="auto", student_head=None):
+    """Loss sum_i w_i loss_i over the given rows, and (grad_hidden, grad_weight, grad_bias)."""
+    n, vocab = hs.shape[0], ws.shape[0]
+    rows_fn = pick_rows_fn(hs.device, backend)
+    live = targets.teacher_hidden is not None
+    chunk = chunk_size or choose_chunk_size(n, vocab, live, hs.device)
+    loss = torch.zeros((), dtype=torch.float32, device=hs.device)
+    grad_h = grad_w = grad_b = None
+    if need_grad:
+        grad_h = torch.empty_like(hs)
+        wdtype = torch.float32 if (fp32_weight_grad or not hs.is_cuda) else ws.dtype
+        grad_w = torch.zeros(ws.shape, dtype=wdtype, device=ws.device)
+        if student_head is not None and student_head.bias is not None:
+            grad_b = torch.zeros(vocab, dtype=torch.float32, device=ws.device)
+    for start in range(0, n, chunk):
+        sl = slice(start, min(n, start + chunk))
+        h = hs[sl]
+        zs, us = _project(h, ws, student_head)
+        zt = None
+        if live:
+            zt, _ = _project(targets.teacher_hidden[sl], targets.teacher_weight,
+                             targets.teacher_head)
+        ids = targets.ids[sl] if targets.ids is not None else None
+        lps = targets.logprobs[sl] if targets.logprobs is not None else None
+        lab = labels[sl] if labels is not None else None
+        row_loss, dz = rows_fn(zs, zt, ids, lps, lab, spec, need_grad)
+        w = weights[sl]
+        loss += (row_loss * w).sum()
+        if not need_grad:
+            continue
+        dz = _chain_head(dz * w[:, None], us, student_head)  # (C, V) fp32
+        if grad_b is not None:
+            grad_b += dz.sum(0)
+        dz = dz.to(ws.dtype) if hs.is_cuda else dz
+        grad_h[sl] = (dz @ ws.to(dz.dtype)).to(hs.dtype)
+        grad_w.addmm_(dz.T.to(grad_w.dtype), h.to(grad_w.dtype))
+    return loss, (grad_h, grad_w, grad_b)

@@ -1,0 +1,75 @@
+"""Random realistic inputs and the float64 oracle comparison shared by loss and op tests."""
+
+from __future__ import annotations
+
+import torch
+
+from distill.losses.reference import reference_linear_divergence
+from distill.losses.spec import DivergenceSpec
+
+
+def make_inputs(n=41, v=1271, hs=48, ht=40, k=None, dtype=torch.float32, device="cpu",
+                ignore_frac=0.3, logit_std=4.0):
+    """Hidden states and weights scaled so logits have std ~logit_std (a trained model's)."""
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * std)
+
+    x = dict(
+        student_hidden=rnd(n, hs),
+        student_weight=rnd(v, hs, std=logit_std / hs**0.5),
+        labels=torch.randint(0, v, (n,), generator=g),
+    )
+    x["labels"][torch.rand(n, generator=g) < ignore_frac] = -100
+    if k is None:
+        x["teacher_hidden"] = rnd(n, ht)
+        x["teacher_weight"] = rnd(v, ht, std=logit_std / ht**0.5)
+    else:
+        tl = rnd(n, v, std=logit_std)
+        logp = torch.log_softmax(tl, -1)
+        top = logp.topk(k, dim=-1)
+        x["target_ids"], x["target_logprobs"] = top.indices, top.values
+    out = {}
+    for name, t in x.items():
+        if t.is_floating_point():
+            t = t.to(dtype)
+        out[name] = t.to(device)
+    return out
+
+
+def run_both(inputs, fn, grad_scale=1.0, **kw):
+    """(loss, grads) from `fn` and from the float64 reference, on the same inputs."""
+    def grads_of(f, cast):
+        leaves = {}
+        args = {}
+        for name, t in inputs.items():
+            t = t.detach()
+            if t.is_floating_point():
+                t = t.to(cast) if cast else t
+            if name in ("student_hidden", "student_weight"):
+                t = t.clone().requires_grad_(True)
+                leaves[name] = t
+            args[name] = t
+        loss = f(args)
+        (loss * grad_scale).backward()
+        return loss.detach(), {k: v.grad for k, v in leaves.items()}
+
+    spec_kw = {k: kw[k] for k in ("kind", "beta", "temperature", "ce_weight",
+                                  "temperature_squared", "sparse_mode") if k in kw}
+    spec = DivergenceSpec(**spec_kw)
+    ref = grads_of(lambda a: reference_linear_divergence(**a, spec=spec), torch.float64)
+    got = grads_of(lambda a: fn(**a, **kw), None)
+    return got, ref
+
+
+def assert_close(got, ref, dtype):
+    from tests.conftest import TOLERANCES
+
+    rtol, atol = TOLERANCES[dtype]
+    (lg, gg), (lr, gr) = got, ref
+    torch.testing.assert_close(lg.double().cpu(), lr.double().cpu(), rtol=rtol, atol=atol)
+    for name in gr:
+        a, b = gg[name].double().cpu(), gr[name].double().cpu()
+        rel = (a - b).norm() / b.norm().clamp_min(1e-30)
+        assert rel < max(rtol, 1e-7) * 10, f"grad {name}: relative error {rel:.3e}"
