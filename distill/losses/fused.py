@@ -19,11 +19,8 @@ class _LinearDivergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hs, ws, bias, rows, targets, labels, weights, opts):
-        loss, (g_h, g_w, g_b) = fused_rows(
-            hs[rows], ws, targets, labels, weights, opts["spec"], need_grad=True,
-            chunk_size=opts["chunk_size"], fp32_weight_grad=opts["fp32_weight_grad"],
-            backend=opts["backend"], student_head=opts["student_head"],
-        )
+        loss, (g_h, g_w, g_b) = fused_rows(hs[rows], ws, targets, labels, weights,
+                                           need_grad=True, **opts)
         grad_h = torch.zeros_like(hs).index_copy_(0, rows, g_h)
         ctx.save_for_backward(grad_h, g_w, g_b if g_b is not None else torch.empty(0))
         ctx.has_bias = bias is not None
@@ -62,7 +59,8 @@ def linear_divergence(
     chunk_size: int | None = None,
     fp32_weight_grad: bool = False,
     backend: str = "auto",
-) -> torch.Tensor:
+    return_components: bool = False,
+):
     """sum_i weights_i * loss_i (fp32 scalar) between student and teacher distributions.
 
     student_hidden (N, Hs) and student_weight (V', Hs) give the student logits; the target
@@ -90,20 +88,23 @@ def linear_divergence(
     )
     head = _sliced(student_head, vocab)
     ws = student_weight[:vocab]
+    ce_sum = torch.zeros((), dtype=torch.float32, device=student_hidden.device)
     opts = dict(spec=spec, chunk_size=chunk_size, fp32_weight_grad=fp32_weight_grad,
-                backend=backend, student_head=head)
+                backend=backend, student_head=head, ce_sum=ce_sum if return_components else None)
     bias = head.bias if head is not None else None
     need_grad = torch.is_grad_enabled() and (
         student_hidden.requires_grad or student_weight.requires_grad
         or (bias is not None and bias.requires_grad)
     )
-    if not need_grad:
-        loss, _ = fused_rows(student_hidden[rows], ws, targets, lab, w, spec, need_grad=False,
-                             chunk_size=chunk_size, fp32_weight_grad=False, backend=backend,
-                             student_head=head)
+    if need_grad:
+        loss = _LinearDivergence.apply(student_hidden, ws, bias, rows, targets, lab, w, opts)
+    else:
+        loss, _ = fused_rows(student_hidden[rows], ws, targets, lab, w, need_grad=False,
+                             **opts)
+    if not return_components:
         return loss
-    loss = _LinearDivergence.apply(student_hidden, ws, bias, rows, targets, lab, w, opts)
-    return loss
+    ce = ce_sum.detach()
+    return loss, {"divergence": loss.detach() - spec.ce_weight * ce, "ce": ce}
 
 
 def _sliced(head: HeadTransform | None, vocab: int) -> HeadTransform | None:

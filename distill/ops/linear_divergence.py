@@ -81,8 +81,12 @@ def _chain_head(dz, u, head: HeadTransform | None):
 
 
 def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, chunk_size,
-               fp32_weight_grad, backend="auto", student_head=None):
-    """Loss sum_i w_i loss_i over the given rows, and (grad_hidden, grad_weight, grad_bias)."""
+               fp32_weight_grad, backend="auto", student_head=None, ce_sum=None):
+    """Loss sum_i w_i loss_i over the given rows, and (grad_hidden, grad_weight, grad_bias).
+
+    `ce_sum`, a 0-dim fp32 tensor, receives sum_i w_i ce_i when given (for logging the
+    divergence and the cross-entropy apart).
+    """
     n, vocab = hs.shape[0], ws.shape[0]
     rows_fn = pick_rows_fn(hs.device, backend)
     live = targets.teacher_hidden is not None
@@ -106,8 +110,11 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
         ids = targets.ids[sl] if targets.ids is not None else None
         lps = targets.logprobs[sl] if targets.logprobs is not None else None
         lab = labels[sl] if labels is not None else None
-        row_loss, dz = rows_fn(zs, zt, ids, lps, lab, spec, need_grad)
         w = weights[sl]
+        if ce_sum is not None and spec.ce_weight:
+            # before the row kernel, which may overwrite zs with its gradient
+            ce_sum += ((zs.logsumexp(-1) - zs.gather(1, lab[:, None]).squeeze(1)) * w).sum()
+        row_loss, dz = rows_fn(zs, zt, ids, lps, lab, spec, need_grad)
         loss += (row_loss * w).sum()
         if not need_grad:
             continue

@@ -91,3 +91,18 @@ def test_no_grad_matches_grad_path():
         a = linear_divergence(x["student_hidden"], x["student_weight"], **kw)
     b = linear_divergence(x["student_hidden"].requires_grad_(), x["student_weight"], **kw)
     torch.testing.assert_close(a, b.detach())
+
+
+def test_components_split_divergence_and_ce():
+    x = make_inputs()
+    kw = dict(teacher_hidden=x["teacher_hidden"], teacher_weight=x["teacher_weight"],
+              labels=x["labels"], kind="forward_kl", temperature=2.0)
+    total, parts = linear_divergence(x["student_hidden"], x["student_weight"], ce_weight=0.7,
+                                     return_components=True, **kw)
+    div_only = linear_divergence(x["student_hidden"], x["student_weight"], **kw)
+    zs = x["student_hidden"].double() @ x["student_weight"].double().T
+    keep = x["labels"] != -100
+    ce = torch.nn.functional.cross_entropy(zs[keep], x["labels"][keep])
+    torch.testing.assert_close(parts["ce"].double(), ce, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(parts["divergence"], div_only, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(total, div_only + 0.7 * parts["ce"], rtol=1e-5, atol=1e-6)
