@@ -53,6 +53,7 @@ def linear_divergence(
     ignore_index: int = -100,
     temperature_squared: bool = False,
     sparse_mode: str = "tail",
+    divergence_weight: float = 1.0,
     vocab_size: int | None = None,
     student_head: HeadTransform | None = None,
     teacher_head: HeadTransform | None = None,
@@ -74,11 +75,12 @@ def linear_divergence(
     student_hidden, student_weight (and a student bias in `student_head`).
     """
     spec = DivergenceSpec(kind, beta, temperature, ce_weight, ignore_index,
-                          temperature_squared, sparse_mode)
+                          temperature_squared, sparse_mode, divergence_weight)
     vocab = check_inputs(student_hidden, student_weight, teacher_hidden, teacher_weight,
                          target_ids, target_logprobs, labels, weights, spec, vocab_size)
     rows, w = _trained_rows(student_hidden, labels, weights, spec)
-    lab = labels[rows] if (labels is not None and ce_weight) else None
+    # labels reach the op for the CE term, or to report the CE (return_components)
+    lab = labels[rows] if (labels is not None and (ce_weight or return_components)) else None
     targets = Targets(
         teacher_hidden=teacher_hidden[rows] if teacher_hidden is not None else None,
         teacher_weight=teacher_weight[:vocab] if teacher_weight is not None else None,
@@ -133,10 +135,11 @@ class FusedLinearDivergence(torch.nn.Module):
 
     def __init__(self, kind="reverse_kl", beta=0.5, temperature=1.0, ce_weight=0.0,
                  ignore_index=-100, temperature_squared=False, sparse_mode="tail",
-                 chunk_size=None, fp32_weight_grad=False, backend="auto"):
+                 divergence_weight=1.0, chunk_size=None, fp32_weight_grad=False,
+                 backend="auto"):
         super().__init__()
         self.spec = DivergenceSpec(kind, beta, temperature, ce_weight, ignore_index,
-                                   temperature_squared, sparse_mode)
+                                   temperature_squared, sparse_mode, divergence_weight)
         self.chunk_size = chunk_size
         self.fp32_weight_grad = fp32_weight_grad
         self.backend = backend
@@ -147,7 +150,7 @@ class FusedLinearDivergence(torch.nn.Module):
             student_hidden, student_weight, kind=s.kind, beta=s.beta,
             temperature=s.temperature, ce_weight=s.ce_weight, ignore_index=s.ignore_index,
             temperature_squared=s.temperature_squared, sparse_mode=s.sparse_mode,
-            chunk_size=self.chunk_size, fp32_weight_grad=self.fp32_weight_grad,
+            divergence_weight=s.divergence_weight, chunk_size=self.chunk_size, fp32_weight_grad=self.fp32_weight_grad,
             backend=self.backend, **kwargs,
         )
 

@@ -80,8 +80,7 @@ def reference_per_token_loss(
     else:
         logp, logq = sparse_logprobs(st, target_ids, target_logprobs, spec)
     loss = divergence_from_logprobs(logp, logq, spec)
-    if spec.temperature_squared:
-        loss = loss * t * t
+    loss = loss * spec.divergence_factor
     if spec.ce_weight:
         safe = labels.clamp_min(0)
         ce = torch.nn.functional.cross_entropy(student_logits, safe, reduction="none")

@@ -23,6 +23,7 @@ class DivergenceSpec:
     ignore_index: int = -100
     temperature_squared: bool = False  # multiply the divergence by T**2 (Hinton et al.)
     sparse_mode: str = "tail"  # cached targets: 'tail' (K+1 buckets) or 'renormalize'
+    divergence_weight: float = 1.0  # 0 with ce_weight > 0 trains on hard labels alone
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -41,8 +42,9 @@ class DivergenceSpec:
                 "mixture equals one of the two distributions and the loss vanishes; use "
                 "loss.kind=forward_kl or loss.kind=reverse_kl for a one-sided divergence"
             )
-        if self.ce_weight < 0:
-            raise ValueError(f"ce_weight must be >= 0, got {self.ce_weight}")
+        if self.ce_weight < 0 or self.divergence_weight < 0:
+            raise ValueError(f"ce_weight and divergence_weight must be >= 0, got "
+                             f"{self.ce_weight} and {self.divergence_weight}")
         if self.sparse_mode not in SPARSE_MODES:
             raise ValueError(
                 f"unknown sparse_mode {self.sparse_mode!r}: choose 'tail' or 'renormalize'"
@@ -51,7 +53,8 @@ class DivergenceSpec:
     @property
     def divergence_factor(self) -> float:
         """What the divergence is multiplied by (T**2 when temperature_squared)."""
-        return self.temperature**2 if self.temperature_squared else 1.0
+        t2 = self.temperature**2 if self.temperature_squared else 1.0
+        return t2 * self.divergence_weight
 
 
 @dataclass(frozen=True)

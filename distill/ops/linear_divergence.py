@@ -111,7 +111,7 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
         lps = targets.logprobs[sl] if targets.logprobs is not None else None
         lab = labels[sl] if labels is not None else None
         w = weights[sl]
-        if ce_sum is not None and spec.ce_weight:
+        if ce_sum is not None:
             # before the row kernel, which may overwrite zs with its gradient
             ce_sum += ((zs.logsumexp(-1) - zs.gather(1, lab[:, None]).squeeze(1)) * w).sum()
         row_loss, dz = rows_fn(zs, zt, ids, lps, lab, spec, need_grad)

@@ -1,0 +1,6 @@
+"""Lightning callbacks: the step token pre-count, throughput, export of the student."""
+
+from distill.callbacks.export import ExportStudent
+from distill.callbacks.throughput import TokensPerSecond
+
+__all__ = ["ExportStudent", "TokensPerSecond"]

@@ -1,0 +1,67 @@
+"""The LightningDataModule: sources -> tokenized datasets -> padded batches.
+
+Several training sources are mixed with `datasets.interleave_datasets` by their weights
+(e.g. SFT chat data with CPT text); validation sources are concatenated.
+"""
+
+from __future__ import annotations
+
+import datasets
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from distill.data.collate import PadCollator
+from distill.data.sources import load_source
+from distill.data.tokenize import tokenize_source
+
+
+def build_dataset(sources, tokenizer, max_length: int, seed: int, mix: bool = True):
+    parts = [tokenize_source(load_source(s), s, tokenizer, max_length) for s in sources]
+    if len(parts) == 1:
+        return parts[0]
+    if not mix:
+        return datasets.concatenate_datasets(parts)
+    weights = [float(s.get("weight", 1.0)) for s in sources]
+    total = sum(weights)
+    return datasets.interleave_datasets(parts, probabilities=[w / total for w in weights],
+                                        seed=seed, stopping_strategy="first_exhausted")
+
+
+class DistillDataModule(L.LightningDataModule):
+    def __init__(self, tokenizer, train: list, val: list | None = None, batch_size: int = 8,
+                 val_batch_size: int | None = None, max_length: int = 512,
+                 num_workers: int = 0, seed: int = 0, shuffle: bool = True,
+                 pad_to_multiple_of: int = 1):
+        super().__init__()
+        if not train:
+            raise ValueError("data.train lists no source: add at least one {kind, path}")
+        self.tokenizer = tokenizer
+        self.train_sources, self.val_sources = list(train), list(val or [])
+        self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
+        self.max_length, self.num_workers, self.seed = max_length, num_workers, seed
+        self.shuffle = shuffle
+        self.collate = PadCollator(tokenizer.pad_token_id, pad_to_multiple_of)
+        self.train_set = self.val_set = None
+
+    def setup(self, stage: str | None = None):
+        if self.train_set is None:
+            self.train_set = build_dataset(self.train_sources, self.tokenizer,
+                                           self.max_length, self.seed)
+        if self.val_set is None and self.val_sources:
+            self.val_set = build_dataset(self.val_sources, self.tokenizer, self.max_length,
+                                         self.seed, mix=False)
+
+    def _loader(self, ds, batch_size, shuffle):
+        gen = torch.Generator().manual_seed(self.seed)
+        return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, generator=gen,
+                          collate_fn=self.collate, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self):
+        return self._loader(self.train_set, self.batch_size, self.shuffle)
+
+    def val_dataloader(self):
+        if self.val_set is None:
+            return []
+        return self._loader(self.val_set, self.val_batch_size, False)

@@ -1,0 +1,111 @@
+"""Load student and teacher causal LMs, and reach their final hidden states and LM heads.
+
+The loss never calls a model's full forward (that would build the logits): it takes the
+base model's last hidden state (after the final norm) and the output-embedding weight,
+plus the head extras some families add (bias, logit scale, soft-capping).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from distill.losses.spec import HeadTransform
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "auto": "auto"}
+DEMO_ASSETS = Path(__file__).parent / "demo_assets"
+
+
+def resolve_path(name_or_path: str) -> str:
+    """A local path must exist; anything else is passed on as a hub name."""
+    # hub names are "name" or "org/name"; anything else is meant as a local folder
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return str(path)
+    if looks_local:
+        raise FileNotFoundError(
+            f"model path {name_or_path!r} does not exist: point student.name_or_path / "
+            "teacher.name_or_path at a Hugging Face model folder or a hub name (the demo "
+            f"assets live in {DEMO_ASSETS}; rebuild them with scripts/make_demo_assets.py)"
+        )
+    return name_or_path
+
+
+def load_tokenizer(name_or_path: str):
+    path = resolve_path(name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except OSError as err:
+        raise OSError(f"could not load a tokenizer from {name_or_path!r} ({err}); offline "
+                      "machines need a local folder or a pre-filled HF cache") from err
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(name_or_path: str, dtype: str = "float32", from_scratch: bool = False,
+                   attn_implementation: str | None = None, seed: int | None = None,
+                   **kwargs) -> PreTrainedModel:
+    """AutoModelForCausalLM from a local folder or hub name; `from_scratch` keeps only
+    the config (random init), as the demo student does."""
+    path = resolve_path(name_or_path)
+    torch_dtype = DTYPES[dtype]
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    try:
+        if from_scratch:
+            config = AutoConfig.from_pretrained(path)
+            if seed is not None:
+                torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, **extra)
+            return model.to(torch.float32 if torch_dtype == "auto" else torch_dtype)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **extra, **kwargs)
+    except OSError as err:
+        raise OSError(f"could not load a causal LM from {name_or_path!r}: {err}") from err
+
+
+def base_model(model: PreTrainedModel) -> torch.nn.Module:
+    """The decoder without its LM head (LlamaForCausalLM.model, GPT2LMHeadModel.transformer)."""
+    return getattr(model, model.base_model_prefix)
+
+
+def final_hidden_states(model, input_ids, attention_mask=None, position_ids=None):
+    """(B, T, H) last hidden state after the final norm, without building logits."""
+    out = base_model(model)(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids, use_cache=False)
+    return out.last_hidden_state
+
+
+def lm_head(model: PreTrainedModel) -> tuple[torch.Tensor, HeadTransform]:
+    """The LM-head weight (V, H) (tied embeddings work) and its extras."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise TypeError(f"unsupported LM head {type(head).__name__}: distill needs a Linear "
+                        "output projection")
+    cfg = model.config
+    scale = getattr(cfg, "logit_scale", None) or 1.0
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+    return head.weight, HeadTransform(bias=head.bias, scale=float(scale), softcap=softcap)
+
+
+def check_same_tokenizer(student_tok, teacher_tok) -> int:
+    """The shared vocabulary size; a clear error when the tokenizers differ."""
+    if student_tok.get_vocab() != teacher_tok.get_vocab():
+        s, t = student_tok.get_vocab(), teacher_tok.get_vocab()
+        diff = sorted(set(s.items()) ^ set(t.items()))[:3]
+        raise ValueError(
+            f"student and teacher tokenizers differ (vocab sizes {len(s)} vs {len(t)}; e.g. "
+            f"{diff}): distillation needs a shared vocabulary. Use the teacher's tokenizer "
+            "for the student (student.tokenizer=<teacher path>) or a teacher of the same family"
+        )
+    return len(student_tok)
+
+
+def check_head_rows(model: PreTrainedModel, vocab: int, who: str) -> None:
+    rows = model.get_output_embeddings().weight.shape[0]
+    if rows < vocab:
+        raise ValueError(f"the {who} LM head has {rows} rows but the tokenizer has {vocab} "
+                         "tokens: resize its embeddings or use the matching tokenizer")

@@ -1,0 +1,74 @@
+"""Entry point: `python -m distill.train +experiment=sft_rkl [overrides]`.
+
+`train(cfg)` builds everything from the Hydra config in order (tokenizer, student,
+teacher, data, module, callbacks, trainer), fits, exports the student and returns a
+summary dict; `main` is the thin @hydra.main wrapper. Tests call `train(cfg)` directly.
+"""
+
+from __future__ import annotations
+
+import time
+
+import hydra
+import lightning as L
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from distill.models import DEMO_ASSETS, check_head_rows, check_same_tokenizer, load_tokenizer
+from distill.module import DistillModule
+from distill.report import evaluate_models, print_summary
+
+if not OmegaConf.has_resolver("distill_demo"):
+    OmegaConf.register_new_resolver("distill_demo", lambda: str(DEMO_ASSETS))
+
+
+def train(cfg: DictConfig) -> dict:
+    t0 = time.perf_counter()
+    L.seed_everything(cfg.seed, workers=True)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    teacher = instantiate(cfg.teacher) if cfg.get("teacher") else None
+    if teacher is None:
+        raise ValueError("no teacher configured: set teacher=demo (live) or teacher=cached")
+    vocab = len(tokenizer)
+    if getattr(teacher, "tokenizer_path", None):
+        vocab = check_same_tokenizer(tokenizer, load_tokenizer(teacher.tokenizer_path))
+    student = instantiate(cfg.student)
+    check_head_rows(student, vocab, "student")
+    if hasattr(teacher, "model"):
+        check_head_rows(teacher.model, vocab, "teacher")
+    datamodule = instantiate(cfg.data, tokenizer=tokenizer)
+    module = DistillModule(student, teacher, loss=OmegaConf.to_container(cfg.loss),
+                           optimizer=instantiate(cfg.optimizer),
+                           scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+                           vocab_size=vocab)
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
+    for cb in callbacks:
+        if hasattr(cb, "tokenizer") and cb.tokenizer is None:
+            cb.tokenizer = tokenizer
+    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
+
+    before = evaluate_models(cfg, tokenizer, {"teacher": teacher, "untrained student": student})
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    after = evaluate_models(cfg, tokenizer, {"distilled student": student})
+
+    export = next((cb for cb in callbacks if hasattr(cb, "saved_to")), None)
+    summary = {
+        "student_dir": str(export.saved_to) if export and export.saved_to else None,
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "accuracy": {**before, **after},
+        "global_step": trainer.global_step,
+        "wall_s": time.perf_counter() - t0,
+    }
+    if trainer.is_global_zero:
+        print_summary(summary)
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

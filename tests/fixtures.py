@@ -1,0 +1,81 @@
+"""Tiny assets for tests, built from configs (no downloads): a character tokenizer with a
+chat template, a Llama teacher and student saved with save_pretrained, SFT and CPT data."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}{{ m['content'] }}<|end|>"
+    "{% endgeneration %}"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_tokenizer(path: Path, extra_chars: str = "") -> PreTrainedTokenizerFast:
+    chars = string.ascii_letters + string.digits + " +=-.,?!:" + extra_chars
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(dict.fromkeys(chars)))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>",
+                                  bos_token="<s>", eos_token="</s>",
+                                  additional_special_tokens=SPECIALS[4:])
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return tok
+
+
+def make_model(path: Path, vocab: int, hidden: int, layers: int, seed: int, tie=False):
+    import torch
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=tie)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(path)
+    return model
+
+
+def make_data(root: Path, n_sft: int = 48, n_cpt: int = 32, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, n in (("train", n_sft), ("val", 8), ("test", 8)):
+        rows = []
+        for _ in range(n):
+            a, b = rng.randint(10, 999), rng.randint(10, 999)
+            prompt = "add " + f"{a}+{b}=?" + " " * rng.randint(0, 12)  # prompts of varied length
+            rows.append({"messages": [{"role": "user", "content": prompt},
+                                      {"role": "assistant", "content": str(a + b)}],
+                         "task": "addition"})
+        p = root / f"sft_{split}.jsonl"
+        p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        paths[f"sft_{split}"] = p
+    for split, n in (("train", n_cpt), ("val", 6)):
+        lines = [" ".join(rng.choice(["one", "two", "sum", "is", "and"]) for _ in
+                          range(rng.randint(3, 12))) for _ in range(n)]
+        p = root / f"cpt_{split}.txt"
+        p.write_text("\n".join(lines) + "\n")
+        paths[f"cpt_{split}"] = p
+    return paths
+
+
+def make_tiny_assets(root: Path) -> dict:
+    """Everything a test run needs: {'tokenizer', 'teacher', 'student', data paths...}."""
+    tok = make_tokenizer(root / "teacher")
+    make_model(root / "teacher", len(tok), hidden=32, layers=2, seed=1)
+    tok.save_pretrained(root / "student")
+    make_model(root / "student", len(tok), hidden=16, layers=1, seed=2, tie=True)
+    return {"teacher": root / "teacher", "student": root / "student",
+            **make_data(root / "data")}
