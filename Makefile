@@ -1,0 +1,37 @@
+# distill: `make help` lists the targets.
+PYTHON ?= python3
+# CPU machines: a local CPU build of torch, installed before the package so that pip does
+# not pull a multi-GB CUDA build. A machine that already has torch (a GPU box) keeps it.
+TORCH_CPU ?= torch==2.13.0
+EXPERIMENT ?= sft_rkl
+BENCH_OUT ?= bench_out
+
+.PHONY: help install demo test test-fast lint format bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+install:  ## install torch (CPU build if none) and the package with its dev extras
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q $(TORCH_CPU)
+	$(PYTHON) -m pip install -q -e ".[dev]"
+
+demo: install  ## distil the bundled demo teacher into a fresh student on CPU (< 5 min)
+	$(PYTHON) -m distill.train +experiment=$(EXPERIMENT)
+
+test: install  ## run the test suite (GPU tests skip without CUDA)
+	$(PYTHON) -m pytest -q
+
+test-fast:  ## the tests, without reinstalling
+	$(PYTHON) -m pytest -q -x
+
+lint:  ## ruff
+	$(PYTHON) -m ruff check distill tests scripts
+
+format:  ## ruff format
+	$(PYTHON) -m ruff format distill tests scripts
+
+bench:  ## GPU: loss benchmark -> $(BENCH_OUT)/ (table, JSON, plot) for docs/benchmarks.md
+	$(PYTHON) scripts/bench_loss.py --out $(BENCH_OUT)
+
+clean:  ## remove run outputs and caches
+	rm -rf outputs multirun lightning_logs .pytest_cache .ruff_cache
