@@ -11,7 +11,8 @@ import time
 
 import hydra
 import lightning as L
-from hydra.utils import instantiate
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from distill.models import DEMO_ASSETS, check_head_rows, check_same_tokenizer, load_tokenizer
@@ -20,6 +21,16 @@ from distill.report import evaluate_models, print_summary
 
 if not OmegaConf.has_resolver("distill_demo"):
     OmegaConf.register_new_resolver("distill_demo", lambda: str(DEMO_ASSETS))
+
+
+def instantiate(node, **kwargs):
+    """hydra.utils.instantiate, re-raising our own clear errors instead of Hydra's wrapper."""
+    try:
+        return hydra_instantiate(node, **kwargs)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, (ValueError, OSError)):
+            raise err.__cause__ from None
+        raise
 
 
 def train(cfg: DictConfig) -> dict:

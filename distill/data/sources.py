@@ -26,6 +26,11 @@ def load_source(source: dict) -> datasets.Dataset:
     if local.suffix in FORMATS:
         if not local.exists():
             raise FileNotFoundError(f"data source {source.get('name')!r}: no file {path}")
+        with open(local, "rb") as f:
+            empty = not f.read(1 << 16).strip()
+        if empty:
+            raise ValueError(f"data source {source.get('name')!r} ({path}) is empty: check the "
+                             "path, or rebuild the demo data with scripts/make_demo_assets.py")
         ds = datasets.load_dataset(FORMATS[local.suffix], data_files=str(local), split="train")
     elif local.is_dir():
         ds = datasets.load_dataset(str(local), split=split)
