@@ -12,7 +12,9 @@ import math
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
+from distill.callbacks.step_tokens import StepTokenCounter
 from distill.losses import FusedLinearDivergence
 from distill.models import final_hidden_states, lm_head
 from distill.normalization import (
@@ -21,6 +23,7 @@ from distill.normalization import (
     check_policy,
     local_step_counts,
     token_weights,
+    warn_if_biased,
 )
 from distill.teachers import shift_flat
 
@@ -59,12 +62,24 @@ class DistillModule(L.LightningModule):
     def _step_counts(self, masks) -> StepCounts:
         if self.step_counts is not None:
             return self.step_counts
-        k, w = self.trainer.accumulate_grad_batches, self.trainer.world_size
-        if k > 1 or w > 1:
-            raise RuntimeError("accumulate_grad_batches > 1 or several ranks need the "
-                               "StepTokenCounter callback for exact normalization: add "
-                               "distill.callbacks.StepTokenCounter to the trainer's callbacks")
+        self._check_counter()
         return local_step_counts(masks)
+
+    def _check_counter(self) -> None:
+        k, w = self.trainer.accumulate_grad_batches, self.trainer.world_size
+        counted = any(isinstance(cb, StepTokenCounter) for cb in self.trainer.callbacks)
+        if (k > 1 or w > 1) and not counted:
+            raise RuntimeError(f"accumulate_grad_batches={k} on {w} rank(s) needs the "
+                               "StepTokenCounter callback for exact normalization: add "
+                               "distill.callbacks.StepTokenCounter to the trainer's callbacks "
+                               "(callbacks=default has it)")
+
+    def on_fit_start(self):
+        self._check_counter()
+        k, w = self.trainer.accumulate_grad_batches, self.trainer.world_size
+        warn_if_biased(self.policy, k, w)
+        rank_zero_info(f"normalization: {self.policy} over {k} micro-batch(es) x {w} rank(s) "
+                       "per optimizer step")
 
     def training_step(self, batch: dict, batch_idx: int):
         masks = batch_masks(batch, self.loss_fn.spec.ignore_index)

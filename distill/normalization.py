@@ -8,10 +8,12 @@ over all of them (the StepTokenCounter callback computes them before the step st
 | all_tokens                | 1 / step_real                                   |
 | micro_batch_valid_tokens  | 1 / (local_valid * K * W)   (biased; comparison) |
 | sequence_mean             | 1 / (valid_in_its_sequence * step_sequences)    |
+K counts the micro-batches of the step's window (an epoch's last window may be shorter).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,26 @@ def check_policy(policy: str) -> str:
         raise ValueError(f"unknown loss.normalization={policy!r}: choose one of "
                          f"{', '.join(POLICIES)}")
     return policy
+
+
+_warned: set[str] = set()
+
+
+def warn_if_biased(policy: str, accumulate: int, world_size: int) -> None:
+    """Warn once per process that the per-micro-batch mean is biased when a step spans
+    several micro-batches: a token's weight then depends on how full its micro-batch is."""
+    if policy != "micro_batch_valid_tokens" or accumulate * world_size == 1:
+        return
+    if policy in _warned:
+        return
+    _warned.add(policy)
+    warnings.warn(
+        f"loss.normalization=micro_batch_valid_tokens averages the per-micro-batch means of "
+        f"the step's {accumulate} x {world_size} micro-batches: a token in a micro-batch with "
+        "few valid tokens weighs more than one in a full micro-batch, so the gradient is "
+        "biased and depends on the split. Use it for comparison only; valid_tokens is exact.",
+        UserWarning, stacklevel=2,
+    )
 
 
 @dataclass
@@ -73,6 +95,12 @@ def count(masks: TokenMasks) -> dict[str, int]:
             "sequences": int(seqs.numel())}
 
 
+def count_tensor(batch: dict, ignore_index: int = -100) -> torch.Tensor:
+    """(3,) int64 [valid, real, sequences] of one micro-batch, ready to be summed."""
+    c = count(batch_masks(batch, ignore_index))
+    return torch.tensor([c["valid"], c["real"], c["sequences"]], dtype=torch.int64)
+
+
 def local_step_counts(masks: TokenMasks) -> StepCounts:
     """Counts when the step is this micro-batch alone (no accumulation, one rank)."""
     return StepCounts(**count(masks))
@@ -86,6 +114,9 @@ def token_weights(policy: str, masks: TokenMasks, step: StepCounts) -> torch.Ten
     if policy == "all_tokens":
         return valid / max(step.real, 1)
     if policy == "micro_batch_valid_tokens":
+        # K here is the micro-batches of this step's window, not the configured K: in an
+        # epoch's short last window the step stays a mean of micro-batch means, rather than
+        # shrinking by window/K the way a naive mean under Lightning's 1/K would.
         local = int(masks.valid.sum())
         return valid / max(local * step.micro_batches * step.world_size, 1)
     if policy == "sequence_mean":

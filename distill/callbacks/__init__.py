@@ -1,6 +1,7 @@
 """Lightning callbacks: the step token pre-count, throughput, export of the student."""
 
 from distill.callbacks.export import ExportStudent
+from distill.callbacks.step_tokens import StepTokenCounter
 from distill.callbacks.throughput import TokensPerSecond
 
-__all__ = ["ExportStudent", "TokensPerSecond"]
+__all__ = ["ExportStudent", "StepTokenCounter", "TokensPerSecond"]
