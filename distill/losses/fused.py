@@ -19,9 +19,10 @@ class _LinearDivergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hs, ws, bias, rows, targets, labels, weights, opts):
-        loss, (g_h, g_w, g_b) = fused_rows(hs[rows], ws, targets, labels, weights,
-                                           need_grad=True, **opts)
-        grad_h = torch.zeros_like(hs).index_copy_(0, rows, g_h)
+        every_row = len(rows) == len(hs)  # e.g. pretraining: no gather, no scatter
+        loss, (g_h, g_w, g_b) = fused_rows(hs if every_row else hs[rows], ws, targets, labels,
+                                           weights, need_grad=True, **opts)
+        grad_h = g_h if every_row else torch.zeros_like(hs).index_copy_(0, rows, g_h)
         ctx.save_for_backward(grad_h, g_w, g_b if g_b is not None else torch.empty(0))
         ctx.has_bias = bias is not None
         ctx.weight_dtype = ws.dtype
@@ -30,9 +31,12 @@ class _LinearDivergence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w, grad_b = ctx.saved_tensors
-        grad_h = grad_h * grad_out.to(grad_h.dtype)
-        grad_w = (grad_w * grad_out).to(ctx.weight_dtype)
-        grad_b = grad_b * grad_out if ctx.has_bias else None
+        if bool(grad_out != 1):  # scaled in place: a copy of grad_w would cost its size
+            grad_h.mul_(grad_out.to(grad_h.dtype))
+            grad_w.mul_(grad_out)
+            grad_b.mul_(grad_out)
+        grad_w = grad_w.to(ctx.weight_dtype)
+        grad_b = grad_b if ctx.has_bias else None
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
@@ -82,7 +86,7 @@ def linear_divergence(
     # labels reach the op for the CE term, or to report the CE (return_components)
     lab = labels[rows] if (labels is not None and (ce_weight or return_components)) else None
     targets = Targets(
-        teacher_hidden=teacher_hidden[rows] if teacher_hidden is not None else None,
+        teacher_hidden=_take(teacher_hidden, rows),
         teacher_weight=teacher_weight[:vocab] if teacher_weight is not None else None,
         teacher_head=_sliced(teacher_head, vocab),
         ids=target_ids[rows].long() if target_ids is not None else None,
@@ -107,6 +111,11 @@ def linear_divergence(
         return loss
     ce = ce_sum.detach()
     return loss, {"divergence": loss.detach() - spec.ce_weight * ce, "ce": ce}
+
+
+def _take(x: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """x[rows], without the copy when every row is kept."""
+    return x if x is None or len(rows) == len(x) else x[rows]
 
 
 def _sliced(head: HeadTransform | None, vocab: int) -> HeadTransform | None:
@@ -150,7 +159,8 @@ class FusedLinearDivergence(torch.nn.Module):
             student_hidden, student_weight, kind=s.kind, beta=s.beta,
             temperature=s.temperature, ce_weight=s.ce_weight, ignore_index=s.ignore_index,
             temperature_squared=s.temperature_squared, sparse_mode=s.sparse_mode,
-            divergence_weight=s.divergence_weight, chunk_size=self.chunk_size, fp32_weight_grad=self.fp32_weight_grad,
+            divergence_weight=s.divergence_weight, chunk_size=self.chunk_size,
+            fp32_weight_grad=self.fp32_weight_grad,
             backend=self.backend, **kwargs,
         )
 

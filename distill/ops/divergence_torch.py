@@ -39,11 +39,14 @@ def _grad_from_g(q, g):
     return q * (g - (q * g).sum(-1, keepdim=True))
 
 
-def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec, need_grad):
+def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec, need_grad, *,
+                       row_scale=None, grad_dtype=torch.float32, ce_out=None):
     """Loss (C,) and its gradient w.r.t. the student logits zs (C, V), in fp32.
 
     zt: (C, V) teacher logits (live) or None; target_ids / target_logprobs: (C, K) cached.
-    Every row given here is trained (the caller gathered them).
+    Every row given here is trained (the caller gathered them). `row_scale` (C,) multiplies
+    each gradient row, `grad_dtype` is the gradient's dtype, `ce_out` (C,) receives each
+    row's cross-entropy (the Triton kernel takes the same options).
     """
     t = spec.temperature
     logq = torch.log_softmax(zs / t, dim=-1)  # (C, V)
@@ -59,13 +62,18 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec, need_g
     factor = spec.divergence_factor
     loss = loss * factor
     dz = da * (factor / t) if need_grad else None
-    if spec.ce_weight:
+    if labels is not None and (spec.ce_weight or ce_out is not None):
         logp_hard = logq if t == 1.0 else torch.log_softmax(zs, dim=-1)
-        loss = loss - spec.ce_weight * logp_hard.gather(-1, labels[:, None]).squeeze(-1)
-        if need_grad:
+        ce = -logp_hard.gather(-1, labels[:, None]).squeeze(-1)
+        loss = loss + spec.ce_weight * ce
+        if ce_out is not None:
+            ce_out.copy_(ce)
+        if need_grad and spec.ce_weight:
             dz = dz + spec.ce_weight * logp_hard.exp()
             dz.scatter_add_(-1, labels[:, None], dz.new_full((len(labels), 1), -spec.ce_weight))
-    return loss, dz
+    if need_grad and row_scale is not None:
+        dz = dz * row_scale[:, None].to(dz.dtype)
+    return loss, dz.to(grad_dtype) if need_grad else None
 
 
 def _sparse(logq, ids, logp_k, spec, need_grad):

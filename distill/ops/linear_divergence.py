@@ -17,8 +17,10 @@ import torch
 from distill.losses.spec import HeadTransform
 from distill.ops.divergence_torch import rows_loss_and_grad as torch_rows
 
-# fp32 logits per chunk the op may hold (student + teacher), in bytes.
+# fp32 logits per chunk the op may hold (student + teacher), in bytes. The row kernel
+# writes the gradient over them, so this is (nearly) all the op's memory beyond the grads.
 CHUNK_BUDGET_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
+_HALF = (torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -47,18 +49,26 @@ def pick_rows_fn(device: torch.device, backend: str = "auto"):
 
 
 def choose_chunk_size(n_rows: int, vocab: int, live: bool, device: torch.device) -> int:
+    """Rows per chunk: the fp32 logits of one chunk fill the budget, whatever N is."""
     budget = CHUNK_BUDGET_BYTES["cuda" if device.type == "cuda" else "cpu"]
     per_row = vocab * 4 * (2 if live else 1)
-    return max(1, min(n_rows, budget // per_row))
+    chunk = max(1, budget // per_row)
+    if chunk >= 256:
+        chunk -= chunk % 128  # whole GEMM tiles
+    return max(1, min(n_rows, chunk))
 
 
-def _project(hidden, weight, head: HeadTransform | None):
-    """fp32 logits (C, V) of one chunk, and the tanh of the soft-cap (for the chain rule)."""
-    if hidden.is_cuda and hidden.dtype != torch.float32:
+def _gemm_fp32(a, b, out):
+    """a @ b into the fp32 `out`, accumulating in fp32 from 16-bit operands on CUDA."""
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in _HALF:
         # fp32 out of the GEMM: bf16 logits lose the small probabilities' gradients.
-        z = torch.mm(hidden, weight.T, out_dtype=torch.float32)
-    else:
-        z = hidden.float() @ weight.float().T
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return torch.mm(a.float(), b.float(), out=out)
+
+
+def _project(hidden, weight, head: HeadTransform | None, out):
+    """fp32 logits (C, V) of one chunk, and the tanh of the soft-cap (for the chain rule)."""
+    z = _gemm_fp32(hidden, weight.T, out)
     if head is None:
         return z, None
     if head.bias is not None:
@@ -80,6 +90,20 @@ def _chain_head(dz, u, head: HeadTransform | None):
     return dz * head.scale if head.scale != 1.0 else dz
 
 
+def _fold(dz, h, ws, grad_h, grad_w):
+    """grad_h = dz @ ws (this chunk's rows), grad_w += dz.T @ h, without (C, V) copies."""
+    if dz.dtype == ws.dtype == grad_h.dtype:
+        torch.mm(dz, ws, out=grad_h)
+    else:
+        grad_h.copy_(dz @ ws.to(dz.dtype))
+    if grad_w.dtype == dz.dtype == h.dtype:
+        grad_w.addmm_(dz.T, h)
+    elif dz.is_cuda and dz.dtype == h.dtype and dz.dtype in _HALF:
+        torch.addmm(grad_w, dz.T, h, out_dtype=torch.float32, out=grad_w)  # fp32_weight_grad
+    else:
+        grad_w.addmm_(dz.T.to(grad_w.dtype), h.to(grad_w.dtype))
+
+
 def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, chunk_size,
                fp32_weight_grad, backend="auto", student_head=None, ce_sum=None):
     """Loss sum_i w_i loss_i over the given rows, and (grad_hidden, grad_weight, grad_bias).
@@ -90,7 +114,7 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
     n, vocab = hs.shape[0], ws.shape[0]
     rows_fn = pick_rows_fn(hs.device, backend)
     live = targets.teacher_hidden is not None
-    chunk = chunk_size or choose_chunk_size(n, vocab, live, hs.device)
+    chunk = min(n, chunk_size or choose_chunk_size(n, vocab, live, hs.device))
     loss = torch.zeros((), dtype=torch.float32, device=hs.device)
     grad_h = grad_w = grad_b = None
     if need_grad:
@@ -99,29 +123,42 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
         grad_w = torch.zeros(ws.shape, dtype=wdtype, device=ws.device)
         if student_head is not None and student_head.bias is not None:
             grad_b = torch.zeros(vocab, dtype=torch.float32, device=ws.device)
+    if n == 0:
+        return loss, (grad_h, grad_w, grad_b)
+    # Without a head transform the row kernel itself applies the token weights and writes
+    # the gradient in the GEMMs' dtype (over the student logits): no (C, V) temporaries.
+    in_kernel = student_head is None
+    gdtype = ws.dtype if (hs.is_cuda and ws.dtype in _HALF and in_kernel) else torch.float32
+    # one buffer per model, reused by every chunk: memory stays flat in N
+    zs_buf = torch.empty((chunk, vocab), dtype=torch.float32, device=hs.device)
+    zt_buf = torch.empty_like(zs_buf) if live else None
+    ce_rows = torch.empty(chunk, dtype=torch.float32, device=hs.device)
     for start in range(0, n, chunk):
         sl = slice(start, min(n, start + chunk))
+        c = sl.stop - start
         h = hs[sl]
-        zs, us = _project(h, ws, student_head)
+        zs, us = _project(h, ws, student_head, zs_buf[:c])
         zt = None
         if live:
             zt, _ = _project(targets.teacher_hidden[sl], targets.teacher_weight,
-                             targets.teacher_head)
+                             targets.teacher_head, zt_buf[:c])
         ids = targets.ids[sl] if targets.ids is not None else None
         lps = targets.logprobs[sl] if targets.logprobs is not None else None
         lab = labels[sl] if labels is not None else None
         w = weights[sl]
-        if ce_sum is not None:
-            # before the row kernel, which may overwrite zs with its gradient
-            ce_sum += ((zs.logsumexp(-1) - zs.gather(1, lab[:, None]).squeeze(1)) * w).sum()
-        row_loss, dz = rows_fn(zs, zt, ids, lps, lab, spec, need_grad)
-        loss += (row_loss * w).sum()
+        opts = dict(ce_out=ce_rows[:c] if (ce_sum is not None and lab is not None) else None)
+        if in_kernel:
+            opts.update(row_scale=w, grad_dtype=gdtype)
+        row_loss, dz = rows_fn(zs, zt, ids, lps, lab, spec, need_grad, **opts)
+        loss += row_loss @ w
+        if opts["ce_out"] is not None:
+            ce_sum += opts["ce_out"] @ w
         if not need_grad:
             continue
-        dz = _chain_head(dz * w[:, None], us, student_head)  # (C, V) fp32
-        if grad_b is not None:
-            grad_b += dz.sum(0)
-        dz = dz.to(ws.dtype) if hs.is_cuda else dz
-        grad_h[sl] = (dz @ ws.to(dz.dtype)).to(hs.dtype)
-        grad_w.addmm_(dz.T.to(grad_w.dtype), h.to(grad_w.dtype))
+        if not in_kernel:
+            dz = _chain_head(dz * w[:, None], us, student_head)  # (C, V) fp32
+            if grad_b is not None:
+                grad_b += dz.sum(0)
+            dz = dz.to(ws.dtype) if hs.is_cuda else dz
+        _fold(dz, h, ws, grad_h[sl], grad_w)
     return loss, (grad_h, grad_w, grad_b)

@@ -1,0 +1,331 @@
+"""Row-wise divergence math in Triton: loss and d(loss)/d(logits), one program per row.
+
+The CUDA implementation of the op's inner step (`divergence_torch.py` is the CPU one and
+the spec of the semantics). One idea: the logits are read as few times as possible.
+Pass 1 streams the row once with an online max / sum (both softmaxes, and the untempered
+student's for the cross-entropy); the last pass streams it again, computes the loss terms
+and writes the gradient. JSD needs <q, G> before it can write, so it reads once more.
+
+The gradient may be written over the student logits it comes from: as fp32 in place, or
+as bf16/fp16 into one half of each fp32 row (a strided (C, V) view the GEMMs read
+directly). The writing pass walks the row in the direction that only overwrites bytes it
+has already read, with a barrier between the loads and the stores of each block, because
+another warp of the program may still need the bytes a store lands on. Walking the last
+pass backwards also re-reads first the blocks pass 1 read last, which are still in L2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from distill.losses.spec import TAIL_FLOOR, DivergenceSpec
+
+_KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
+# (BLOCK, num_warps) per row program; the bench may override them.
+CONFIG = {"live": (4096, 16), "sparse": (4096, 16)}
+MAX_K = 16384  # top-k ids held in registers by one program
+
+
+@triton.jit
+def _online(m, s, x):
+    """Fold a block x into a running (max, sum of exp(x - max))."""
+    m_new = tl.maximum(m, tl.max(x, 0))
+    return m_new, s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+
+
+@triton.jit
+def _logaddexp(x, y):
+    hi = tl.maximum(x, y)
+    return hi + tl.log(1.0 + tl.exp(tl.minimum(x, y) - hi))
+
+
+@triton.jit
+def _live_fwd_kernel(
+    zs_ptr,  # (C, V) fp32 student logits
+    zt_ptr,  # (C, V) fp32 teacher logits
+    dz_ptr,  # (C, V) fp32/bf16/fp16 out: row_scale * d loss / d zs (may alias zs)
+    loss_ptr,  # (C,) fp32 out: factor * divergence + ce_weight * ce
+    ce_ptr,  # (C,) fp32 out: cross-entropy of the untempered student (if WRITE_CE)
+    labels_ptr,  # (C,) int64 hard labels (if HAS_CE)
+    scale_ptr,  # (C,) fp32 row scale of the gradient (if HAS_SCALE)
+    V, stride_s, stride_t, stride_d,
+    inv_t, beta, ce_weight, factor,
+    KIND: tl.constexpr, HAS_CE: tl.constexpr, CE_GRAD: tl.constexpr, CE_SEP: tl.constexpr,
+    WRITE_CE: tl.constexpr, HAS_SCALE: tl.constexpr, NEED_GRAD: tl.constexpr,
+    ALIAS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    zs_row = zs_ptr + row * stride_s
+    zt_row = zt_ptr + row * stride_t
+    dz_row = dz_ptr + row * stride_d
+    offs = tl.arange(0, BLOCK)
+    nb = (V + BLOCK - 1) // BLOCK
+    ninf = float("-inf")
+    zero = tl.zeros((), tl.float32)
+    ms, ss, mt, st, m1, s1, w_rkl = zero + ninf, zero, zero + ninf, zero, zero + ninf, zero, zero
+    # pass 1: normalizers of q = softmax(zs / T), p = softmax(zt / T) (and softmax(zs))
+    for i in range(0, nb):
+        idx = i * BLOCK + offs
+        mask = idx < V
+        zs = tl.load(zs_row + idx, mask=mask, other=ninf)
+        a_s = zs * inv_t
+        a_t = tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t
+        ms_new = tl.maximum(ms, tl.max(a_s, 0))
+        e_s = tl.exp(a_s - ms_new)
+        alpha = tl.exp(ms - ms_new)
+        ss = ss * alpha + tl.sum(e_s, 0)
+        if KIND == 1:
+            # <q, log q - log p> online: the reverse-KL gradient needs it in the last pass
+            w_rkl = w_rkl * alpha + tl.sum(tl.where(mask, e_s * (a_s - a_t), 0.0), 0)
+        ms = ms_new
+        mt, st = _online(mt, st, a_t)
+        if CE_SEP:
+            m1, s1 = _online(m1, s1, zs)
+    ls = ms + tl.log(ss)
+    lt = mt + tl.log(st)
+    l1 = ls
+    if CE_SEP:
+        l1 = m1 + tl.log(s1)
+    c = w_rkl / ss + lt - ls  # reverse KL's <q, G> (only used by KIND == 1)
+    ce = zero
+    label = 0
+    if HAS_CE:
+        label = tl.load(labels_ptr + row)
+        ce = l1 - tl.load(zs_row + label)  # read before the last pass may overwrite it
+    rs = 1.0
+    if HAS_SCALE:
+        rs = tl.load(scale_ptr + row)
+    gf = factor * inv_t
+    lb, l1b = tl.log(beta), tl.log(1.0 - beta)
+    div = zero
+    if KIND == 2:
+        # JSD: the loss and c = <q, G>, G = (1 - beta) (log q - log m), before any write
+        cq = zero
+        for i in range(0, nb):
+            idx = (nb - 1 - i) * BLOCK + offs  # backwards: pass 1 left the row's end in L2
+            mask = idx < V
+            logq = tl.load(zs_row + idx, mask=mask, other=ninf) * inv_t - ls
+            logp = tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t - lt
+            q, p = tl.exp(logq), tl.exp(logp)
+            logm = _logaddexp(logp + lb, logq + l1b)
+            tq = tl.where(mask & (q > 0), q * (logq - logm), 0.0)
+            tp = tl.where(mask & (p > 0), p * (logp - logm), 0.0)
+            div += tl.sum(beta * tp + (1.0 - beta) * tq, 0)
+            cq += tl.sum(tq, 0)
+        c = (1.0 - beta) * cq
+    if NEED_GRAD or KIND != 2:
+        # last pass: the KL terms and the gradient; backwards, except after JSD's pass 2
+        for i in range(0, nb):
+            idx = (i if KIND == 2 else nb - 1 - i) * BLOCK + offs
+            mask = idx < V
+            zs = tl.load(zs_row + idx, mask=mask, other=ninf)
+            logq = zs * inv_t - ls
+            logp = tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t - lt
+            q, p = tl.exp(logq), tl.exp(logp)
+            if KIND == 0:
+                div += tl.sum(tl.where(mask & (p > 0), p * (logp - logq), 0.0), 0)
+                da = q - p  # not q * (G - <q, G>): G = -p / q overflows where q underflows
+            elif KIND == 1:
+                div += tl.sum(tl.where(mask & (q > 0), q * (logq - logp), 0.0), 0)
+                da = q * (tl.where(q > 0, logq - logp, 0.0) - c)
+            else:
+                g = (1.0 - beta) * (logq - _logaddexp(logp + lb, logq + l1b))
+                da = q * (tl.where(q > 0, g, 0.0) - c)
+            if NEED_GRAD:
+                g = gf * da
+                if CE_GRAD:
+                    sm = q
+                    if CE_SEP:
+                        sm = tl.exp(zs - l1)
+                    g += ce_weight * (sm - tl.where(idx == label, 1.0, 0.0))
+                if HAS_SCALE:
+                    g = g * rs
+                if ALIAS:
+                    tl.debug_barrier()  # the store may land on logits another warp reads
+                tl.store(dz_row + idx, g.to(dz_ptr.dtype.element_ty), mask=mask)
+    tl.store(loss_ptr + row, factor * div + ce_weight * ce)
+    if WRITE_CE:
+        tl.store(ce_ptr + row, ce)
+
+
+
+@triton.jit
+def _sparse_fwd_kernel(
+    zs_ptr,  # (C, V) fp32 student logits
+    dz_ptr,  # (C, V) fp32/bf16/fp16 out: row_scale * d loss / d zs (may alias zs)
+    ids_ptr,  # (C, K) int32/int64 cached top-k token ids
+    lp_ptr,  # (C, K) fp16/bf16/fp32 their teacher log-probabilities (at T)
+    loss_ptr,  # (C,) fp32 out: factor * divergence + ce_weight * ce
+    ce_ptr,  # (C,) fp32 out: cross-entropy of the untempered student (if WRITE_CE)
+    labels_ptr,  # (C,) int64 hard labels (if HAS_CE)
+    scale_ptr,  # (C,) fp32 row scale of the gradient (if HAS_SCALE)
+    V, K, stride_s, stride_d, stride_i, stride_l,
+    inv_t, beta, ce_weight, factor, tail_floor,
+    KIND: tl.constexpr, RENORM: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_CE: tl.constexpr,
+    CE_GRAD: tl.constexpr, CE_SEP: tl.constexpr, WRITE_CE: tl.constexpr, HAS_SCALE: tl.constexpr,
+    NEED_GRAD: tl.constexpr, ALIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    zs_row = zs_ptr + row * stride_s
+    dz_row = dz_ptr + row * stride_d
+    offs = tl.arange(0, BLOCK)
+    nb = (V + BLOCK - 1) // BLOCK
+    ninf = float("-inf")
+    zero = tl.zeros((), tl.float32)
+    ms, ss, m1, s1 = zero + ninf, zero, zero + ninf, zero
+    for i in range(0, nb):  # pass 1: normalizers of softmax(zs / T) (and of softmax(zs))
+        idx = i * BLOCK + offs
+        zs = tl.load(zs_row + idx, mask=idx < V, other=ninf)
+        ms, ss = _online(ms, ss, zs * inv_t)
+        if CE_SEP:
+            m1, s1 = _online(m1, s1, zs)
+    ls = ms + tl.log(ss)
+    l1 = ls
+    if CE_SEP:
+        l1 = m1 + tl.log(s1)
+    # the K + 1 categories (K in renormalize mode), all in registers
+    koffs = tl.arange(0, BLOCK_K)
+    kmask = koffs < K
+    ids = tl.load(ids_ptr + row * stride_i + koffs, mask=kmask, other=0)
+    lp = tl.load(lp_ptr + row * stride_l + koffs, mask=kmask, other=ninf).to(tl.float32)
+    zk = tl.load(zs_row + ids, mask=kmask, other=ninf)
+    logq = zk * inv_t - ls
+    p_tail, q_tail = zero, zero
+    if RENORM:
+        lp = lp - (tl.max(lp, 0) + tl.log(tl.sum(tl.exp(lp - tl.max(lp, 0)), 0)))
+        logq = logq - (tl.max(logq, 0) + tl.log(tl.sum(tl.exp(logq - tl.max(logq, 0)), 0)))
+    elif HAS_TAIL:
+        # the leftover masses; fp32 cancellation bounds a tail's accuracy near 1e-7
+        p_tail = tl.maximum(1.0 - tl.sum(tl.exp(lp), 0), 0.0)
+        q_tail = tl.maximum(1.0 - tl.sum(tl.exp(logq), 0), 0.0)
+    if KIND == 1 and not RENORM:
+        p_tail = tl.maximum(p_tail, tail_floor)  # else an empty teacher tail makes RKL infinite
+    p, q = tl.exp(lp), tl.exp(logq)
+    lpt, lqt = tl.log(p_tail), tl.log(q_tail)
+    if KIND == 0:
+        div = tl.sum(tl.where(kmask & (p > 0), p * (lp - logq), 0.0), 0)
+        div += tl.where(p_tail > 0, p_tail * (lpt - lqt), 0.0)
+        da_k = q - p
+        r = 1.0 - tl.where(q_tail > 0, p_tail / q_tail, 0.0)  # d / d a_j = q_j * r off the top-k
+    else:
+        if KIND == 1:
+            gk = tl.where(q > 0, logq - lp, 0.0)
+            gt = tl.where(q_tail > 0, lqt - lpt, 0.0)
+            div = tl.sum(tl.where(kmask, q * gk, 0.0), 0) + q_tail * gt
+        else:
+            logm = _logaddexp(lp + tl.log(beta), logq + tl.log(1.0 - beta))
+            lmt = tl.log(beta * p_tail + (1.0 - beta) * q_tail)
+            tp = tl.sum(tl.where(kmask & (p > 0), p * (lp - logm), 0.0), 0)
+            tp += tl.where(p_tail > 0, p_tail * (lpt - lmt), 0.0)
+            gk = (1.0 - beta) * tl.where(q > 0, logq - logm, 0.0)
+            gt = (1.0 - beta) * tl.where(q_tail > 0, lqt - lmt, 0.0)
+            tq = tl.sum(tl.where(kmask, q * gk, 0.0), 0) + q_tail * gt
+            div = beta * tp + tq
+        c = tl.sum(tl.where(kmask, q * gk, 0.0), 0) + q_tail * gt
+        da_k = q * (gk - c)
+        r = gt - c
+    if RENORM:
+        r = 0.0
+    ce = zero
+    label = 0
+    if HAS_CE:
+        label = tl.load(labels_ptr + row)
+        ce = l1 - tl.load(zs_row + label)
+    tl.store(loss_ptr + row, factor * div + ce_weight * ce)
+    if WRITE_CE:
+        tl.store(ce_ptr + row, ce)
+    if NEED_GRAD:
+        rs = 1.0
+        if HAS_SCALE:
+            rs = tl.load(scale_ptr + row)
+        gf = factor * inv_t
+        for i in range(0, nb):  # pass 2, backwards: every entry as if off the top-k
+            idx = (nb - 1 - i) * BLOCK + offs
+            mask = idx < V
+            zs = tl.load(zs_row + idx, mask=mask, other=ninf)
+            g = (gf * r) * tl.exp(zs * inv_t - ls)
+            if CE_GRAD:
+                sm = tl.exp(zs - l1)
+                g += ce_weight * (sm - tl.where(idx == label, 1.0, 0.0))
+            if HAS_SCALE:
+                g = g * rs
+            if ALIAS:
+                tl.debug_barrier()  # the store may land on logits another warp reads
+            tl.store(dz_row + idx, g.to(dz_ptr.dtype.element_ty), mask=mask)
+        tl.debug_barrier()  # the top-k stores below must land after pass 2's
+        gk_out = gf * da_k
+        if CE_GRAD:
+            gk_out += ce_weight * (tl.exp(zk - l1) - tl.where(ids == label, 1.0, 0.0))
+        if HAS_SCALE:
+            gk_out = gk_out * rs
+        tl.store(dz_row + ids, gk_out.to(dz_ptr.dtype.element_ty), mask=kmask)
+
+
+def _grad_out(zs: torch.Tensor, dtype: torch.dtype, backwards: bool) -> torch.Tensor:
+    """Where the gradient goes: over zs itself (fp32) or into one half of each fp32 row.
+
+    A writer walking backwards may fill the upper half of a row (it has read those bytes
+    by then), one walking forwards the lower half. The result is a (C, V) view with row
+    stride 2V, which cuBLAS reads as it is.
+    """
+    if dtype == torch.float32:
+        return zs
+    v = zs.shape[1]
+    halves = zs.view(dtype)  # (C, 2V)
+    return halves[:, v:] if backwards else halves[:, :v]
+
+
+def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: DivergenceSpec,
+                       need_grad, *, row_scale=None, grad_dtype=torch.float32, ce_out=None):
+    """Loss (C,) and d loss / d zs (C, V), as `divergence_torch.rows_loss_and_grad`.
+
+    zs: (C, V) fp32 student logits, CONSUMED: the gradient is written over its memory
+    (see `_grad_out`). zt: (C, V) fp32 teacher logits, or target_ids / target_logprobs
+    (C, K). `row_scale` (C,) multiplies each gradient row (the token weights);
+    `grad_dtype` is the gradient's dtype; `ce_out` (C,) fp32 receives each row's
+    cross-entropy when given.
+    """
+    c, v = zs.shape
+    if zs.dtype != torch.float32 or zs.stride(1) != 1:
+        raise ValueError("the row kernel needs fp32 logits with contiguous rows")
+    loss = torch.empty(c, dtype=torch.float32, device=zs.device)
+    live = zt is not None
+    kind = _KIND[spec.kind]
+    backwards = not (live and kind == 2)
+    dz = _grad_out(zs, grad_dtype, backwards) if need_grad else zs
+    if c == 0:
+        return loss, dz if need_grad else None
+    # labels come with ce_weight > 0, or to report the cross-entropy alone (ce_out)
+    has_ce = labels is not None and (bool(spec.ce_weight) or ce_out is not None)
+    flags = dict(
+        HAS_CE=has_ce, CE_GRAD=has_ce and bool(spec.ce_weight) and need_grad,
+        CE_SEP=has_ce and spec.temperature != 1.0, WRITE_CE=has_ce and ce_out is not None,
+        HAS_SCALE=row_scale is not None, NEED_GRAD=need_grad, ALIAS=dz.dtype != zs.dtype,
+    )
+    ptrs = (loss, ce_out if ce_out is not None else loss,
+            labels if labels is not None else loss,
+            row_scale.float() if row_scale is not None else loss)
+    scalars = (1.0 / spec.temperature, spec.beta, float(spec.ce_weight),
+               spec.divergence_factor)
+    if live:
+        block, warps = CONFIG["live"]
+        _live_fwd_kernel[(c,)](
+            zs, zt, dz, *ptrs, v, zs.stride(0), zt.stride(0), dz.stride(0), *scalars,
+            KIND=kind, BLOCK=min(block, triton.next_power_of_2(v)), num_warps=warps, **flags,
+        )
+    else:
+        k = target_ids.shape[1]
+        if k > MAX_K:
+            raise ValueError(f"K={k} cached ids per row: the Triton kernel holds at most "
+                             f"{MAX_K} in registers")
+        block, warps = CONFIG["sparse"]
+        _sparse_fwd_kernel[(c,)](
+            zs, dz, target_ids, target_logprobs, *ptrs, v, k, zs.stride(0), dz.stride(0),
+            target_ids.stride(0), target_logprobs.stride(0), *scalars, TAIL_FLOOR,
+            KIND=kind, RENORM=spec.sparse_mode == "renormalize", HAS_TAIL=k < v,
+            BLOCK=min(block, triton.next_power_of_2(v)), BLOCK_K=triton.next_power_of_2(k),
+            num_warps=warps, **flags,
+        )
+    return loss, dz if need_grad else None

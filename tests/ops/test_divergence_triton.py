@@ -1,0 +1,169 @@
+"""The Triton row kernels (through linear_divergence) against the float64 reference.
+
+The small fp32 tests run everywhere: in Triton's interpreter on CPU (tests/ops/conftest.py),
+on the GPU when there is one. The `gpu` tests use realistic sizes, bf16/fp16/fp32 inputs and
+the per-dtype tolerances of tests/conftest.py.
+"""
+
+import pytest
+import torch
+
+from distill.losses import linear_divergence
+from tests.conftest import TOLERANCES
+from tests.losses.helpers import assert_close, make_inputs, run_both
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KINDS = [("forward_kl", {}), ("reverse_kl", {}), ("jsd", {"beta": 0.3})]
+SMALL = dict(n=13, v=257, hs=24, ht=20, device=DEVICE)
+# numpy (the interpreter) warns where the kernels take log(0) or 0/0 in a discarded branch
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
+
+def _triton(**kw):
+    return linear_divergence(**kw, backend="triton")
+
+
+@pytest.mark.parametrize("kind,extra", KINDS)
+@pytest.mark.parametrize("temperature,ce_weight", [(1.0, 0.0), (2.0, 0.5)])
+def test_live_teacher(triton_kernels, kind, extra, temperature, ce_weight):
+    x = make_inputs(**SMALL)
+    got, ref = run_both(x, _triton, grad_scale=0.5, kind=kind, temperature=temperature,
+                        ce_weight=ce_weight, temperature_squared=temperature != 1.0,
+                        chunk_size=5, **extra)
+    assert_close(got, ref, torch.float32)
+
+
+@pytest.mark.parametrize("kind,extra", KINDS)
+@pytest.mark.parametrize("sparse_mode", ["tail", "renormalize"])
+def test_cached_topk(triton_kernels, kind, extra, sparse_mode):
+    x = make_inputs(k=7, **SMALL)
+    got, ref = run_both(x, _triton, grad_scale=1.7, kind=kind, sparse_mode=sparse_mode,
+                        temperature=1.5, ce_weight=0.3, chunk_size=6, **extra)
+    assert_close(got, ref, torch.float32)
+
+
+def test_weights_every_row_trained_and_negative_grad_output(triton_kernels):
+    x = make_inputs(ignore_frac=0.0, **SMALL)
+    x["weights"] = torch.rand(13, device=DEVICE)
+    got, ref = run_both(x, _triton, grad_scale=-2.0, kind="jsd", beta=0.6, temperature=0.7,
+                        ce_weight=1.0)
+    assert_close(got, ref, torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
+def test_sparse_with_k_equal_v_equals_dense(triton_kernels, kind):
+    x = make_inputs(n=9, v=97, hs=16, ht=16, device=DEVICE)
+    logp = torch.log_softmax(x["teacher_hidden"] @ x["teacher_weight"].T, -1)
+    ids = torch.arange(97, device=DEVICE).expand(9, 97).contiguous()
+    kw = dict(labels=x["labels"], kind=kind, backend="triton")
+    dense = linear_divergence(x["student_hidden"], x["student_weight"],
+                              teacher_hidden=x["teacher_hidden"],
+                              teacher_weight=x["teacher_weight"], **kw)
+    sparse = linear_divergence(x["student_hidden"], x["student_weight"], target_ids=ids,
+                               target_logprobs=logp, **kw)
+    torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_match_the_torch_rows(triton_kernels):
+    """The kernel's own contract: loss, gradient (row-scaled) and cross-entropy per row."""
+    from distill.losses.spec import DivergenceSpec
+    from distill.ops.divergence_torch import rows_loss_and_grad as torch_rows
+
+    zs, zt = torch.randn(6, 300, device=DEVICE) * 5, torch.randn(6, 300, device=DEVICE) * 5
+    labels, scale = torch.randint(0, 300, (6,), device=DEVICE), torch.rand(6, device=DEVICE)
+    spec = DivergenceSpec("reverse_kl", temperature=1.3, ce_weight=0.2)
+    ce_a, ce_b = torch.empty(6, device=DEVICE), torch.empty(6, device=DEVICE)
+    la, da = torch_rows(zs, zt, None, None, labels, spec, True, row_scale=scale, ce_out=ce_a)
+    lb, db = triton_kernels.rows_loss_and_grad(zs.clone(), zt, None, None, labels, spec, True,
+                                               row_scale=scale, ce_out=ce_b)
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ce_b, ce_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db, da, rtol=1e-4, atol=1e-7)
+
+
+def test_all_ignored_gives_zero(triton_kernels):
+    x = make_inputs(**SMALL)
+    hs = x["student_hidden"].requires_grad_(True)
+    loss = _triton(student_hidden=hs, student_weight=x["student_weight"],
+                   teacher_hidden=x["teacher_hidden"], teacher_weight=x["teacher_weight"],
+                   labels=torch.full_like(x["labels"], -100))
+    loss.backward()
+    assert loss.item() == 0.0 and (hs.grad == 0).all()
+
+
+# --------------------------------------------------------------------------- GPU only
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+GPU_SHAPES = dict(n=300, v=32003, hs=256, ht=384, device="cuda", logit_std=4.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kind,extra", KINDS)
+@pytest.mark.parametrize("cached", [False, True])
+def test_gpu_matches_reference(dtype, kind, extra, cached):
+    x = make_inputs(k=64 if cached else None, dtype=dtype, **GPU_SHAPES)
+    got, ref = run_both(x, linear_divergence, grad_scale=0.5, kind=kind, temperature=1.5,
+                        ce_weight=0.2, chunk_size=128, **extra)
+    assert_close(got, ref, dtype)
+    for name, g in got[1].items():  # tighter than assert_close's 10x on the gradients
+        assert _rel(g, ref[1][name]) < TOLERANCES[dtype][0], name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
+def test_gpu_huge_logits(kind):
+    """Logits spread over +-1e4: nothing overflows, the loss matches in relative terms."""
+    x = make_inputs(logit_std=1e4, dtype=torch.float32, **GPU_SHAPES)
+    got, ref = run_both(x, linear_divergence, kind=kind)
+    assert torch.isfinite(got[0]) and got[0] > 100
+    torch.testing.assert_close(got[0].double(), ref[0], rtol=1e-4, atol=0)
+    for name, g in got[1].items():
+        assert torch.isfinite(g).all() and _rel(g, ref[1][name]) < 1e-3, name
+
+
+@pytest.mark.gpu
+def test_gpu_ignored_chunks_sparse_equals_dense_and_fp32_weight_grad():
+    x = make_inputs(dtype=torch.bfloat16, ignore_frac=0.0, **GPU_SHAPES)
+    x["labels"][:200] = -100  # with chunk_size=64, whole chunks of the batch are ignored
+    got, ref = run_both(x, linear_divergence, kind="jsd", chunk_size=64, fp32_weight_grad=True)
+    assert_close(got, ref, torch.bfloat16)
+    assert (got[1]["student_hidden"][:200] == 0).all()
+    # K = V cached targets equal the dense teacher
+    v = 1000
+    y = make_inputs(n=70, v=v, hs=64, ht=64, device="cuda", dtype=torch.bfloat16)
+    logp = torch.log_softmax(y["teacher_hidden"].float() @ y["teacher_weight"].float().T, -1)
+    ids = torch.arange(v, device="cuda").expand(70, v).contiguous()
+    for kind in ("forward_kl", "reverse_kl", "jsd"):
+        kw = dict(labels=y["labels"], kind=kind)
+        dense = linear_divergence(y["student_hidden"], y["student_weight"],
+                                  teacher_hidden=y["teacher_hidden"],
+                                  teacher_weight=y["teacher_weight"], **kw)
+        sparse = linear_divergence(y["student_hidden"], y["student_weight"], target_ids=ids,
+                                   target_logprobs=logp, **kw)
+        torch.testing.assert_close(sparse, dense, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_and_in_place_gradient_matches_torch_rows():
+    """dz written over the logits in bf16 (with barriers) equals the fp32 torch math."""
+    from distill.losses.spec import DivergenceSpec
+    from distill.ops import divergence_triton
+    from distill.ops.divergence_torch import rows_loss_and_grad as torch_rows
+
+    zs = torch.randn(64, 128256, device="cuda") * 6
+    zt = torch.randn(64, 128256, device="cuda") * 6
+    for kind in ("forward_kl", "reverse_kl", "jsd"):
+        spec = DivergenceSpec(kind, ce_weight=0.1)
+        labels = torch.randint(0, 128256, (64,), device="cuda")
+        la, da = torch_rows(zs, zt, None, None, labels, spec, True)
+        outs = [divergence_triton.rows_loss_and_grad(zs.clone(), zt, None, None, labels, spec,
+                                                      True, grad_dtype=torch.bfloat16)
+                for _ in range(2)]
+        assert torch.equal(outs[0][1], outs[1][1]) and torch.equal(outs[0][0], outs[1][0])
+        torch.testing.assert_close(outs[0][0], la, rtol=1e-5, atol=1e-5)
+        assert _rel(outs[0][1].float(), da) < 1e-2
