@@ -25,7 +25,7 @@ from distill.normalization import (
     token_weights,
     warn_if_biased,
 )
-from distill.teachers import shift_flat
+from distill.teachers import shift_flat, shift_labels
 
 LOSS_KEYS = ("kind", "beta", "temperature", "ce_weight", "temperature_squared",
              "sparse_mode", "divergence_weight", "chunk_size", "fp32_weight_grad", "backend")
@@ -55,7 +55,10 @@ class DistillModule(L.LightningModule):
         hidden = final_hidden_states(self.student, batch["input_ids"],
                                      batch.get("attention_mask"), batch.get("position_ids"))
         weight, head = lm_head(self.student)
-        return self.loss_fn(shift_flat(hidden), weight, labels=shift_flat(batch["labels"]),
+        # position t predicts token t + 1: its label is labels[:, t + 1], the same position
+        # that batch_masks counts as valid (labels[:, :-1] would score the current token)
+        labels = batch["labels"][:, 1:].reshape(-1)
+        return self.loss_fn(shift_flat(hidden), weight, labels=labels,
                             weights=weights, student_head=head, vocab_size=self.vocab_size,
                             return_components=True, **self.teacher.targets(batch))
 
