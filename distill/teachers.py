@@ -17,6 +17,11 @@ def shift_flat(x: torch.Tensor) -> torch.Tensor:
     return x[:, :-1].reshape(-1, *x.shape[2:])
 
 
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) -> (B * (T - 1),): position t is trained on token t + 1 (HF-aligned labels)."""
+    return labels[:, 1:].reshape(-1)
+
+
 class LiveTeacher(torch.nn.Module):
     """A frozen causal LM run beside the student on the same input_ids, under no_grad.
 
@@ -32,7 +37,7 @@ class LiveTeacher(torch.nn.Module):
         self.model = load_causal_lm(name_or_path, dtype=dtype,
                                     attn_implementation=attn_implementation)
         self.model.requires_grad_(False)
-        self.model.eval()
+        self.eval()
 
     def train(self, mode: bool = True):
         # Lightning puts the whole LightningModule in train mode; the teacher stays in eval.
@@ -53,7 +58,50 @@ class LiveTeacher(torch.nn.Module):
         _, parts = linear_divergence(
             t["teacher_hidden"], t["teacher_weight"], teacher_hidden=t["teacher_hidden"],
             teacher_weight=t["teacher_weight"], student_head=t["teacher_head"],
-            teacher_head=t["teacher_head"], labels=shift_flat(batch["labels"]),
+            teacher_head=t["teacher_head"], labels=shift_labels(batch["labels"]),
             weights=weights, kind="forward_kl", vocab_size=vocab_size, return_components=True,
         )
         return parts["ce"]
+
+
+class CachedTeacher(torch.nn.Module):
+    """Top-k teacher log-probs read from the offline cache: no teacher model is loaded.
+
+    The cache must have been written for this run: its teacher, K and temperature are
+    checked here, its tokenizer, max length and data fingerprints by `check_data`, and
+    every example's tokens when its batch is served. The loss applies `sparse_mode`
+    (tail bucket or renormalize) to the returned (N, K) targets.
+    """
+
+    model = None  # nothing to run, evaluate or checkpoint
+
+    def __init__(self, dir: str, teacher: str, top_k: int, temperature: float = 1.0,
+                 sparse_mode: str = "tail"):
+        super().__init__()
+        from distill.cache.reader import TeacherCache  # the cache imports this module
+
+        if sparse_mode not in ("tail", "renormalize"):
+            raise ValueError(f"sparse_mode must be 'tail' or 'renormalize', got {sparse_mode!r}")
+        self.cache = TeacherCache(dir)
+        self.cache.expect("teacher", str(teacher))
+        self.cache.expect("top_k", int(top_k))
+        self.cache.expect("temperature", float(temperature))
+        self.sparse_mode = sparse_mode
+
+    def check_data(self, datamodule, tokenizer) -> None:
+        """Refuse a cache written for another tokenizer, max length or data."""
+        from distill.cache.plan import describe
+
+        self.cache.check_tokenizer(tokenizer)
+        self.cache.expect("max_length", int(datamodule.max_length))
+        datamodule.setup("fit")
+        for split, ds in (("train", datamodule.train_set), ("val", datamodule.val_set)):
+            if ds is not None:
+                self.cache.check_split(split, describe(ds).fingerprint)
+
+    @torch.no_grad()
+    def targets(self, batch: dict) -> dict:
+        ids, logprobs = self.cache.batch_targets(batch)
+        device = batch["input_ids"].device
+        return {"target_ids": ids.to(device, non_blocking=True),
+                "target_logprobs": logprobs.to(device, non_blocking=True)}

@@ -45,9 +45,11 @@ def train(cfg: DictConfig) -> dict:
         vocab = check_same_tokenizer(tokenizer, load_tokenizer(teacher.tokenizer_path))
     student = instantiate(cfg.student)
     check_head_rows(student, vocab, "student")
-    if hasattr(teacher, "model"):
+    if getattr(teacher, "model", None) is not None:  # a cached teacher has no model
         check_head_rows(teacher.model, vocab, "teacher")
     datamodule = instantiate(cfg.data, tokenizer=tokenizer)
+    if hasattr(teacher, "check_data"):  # a cached teacher must match this tokenizer and data
+        teacher.check_data(datamodule, tokenizer)
     module = DistillModule(student, teacher, loss=OmegaConf.to_container(cfg.loss),
                            optimizer=instantiate(cfg.optimizer),
                            scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,

@@ -1,0 +1,131 @@
+"""Read a complete teacher-logit cache, check it against the run, and serve batches.
+
+Examples are found by their id and checked by the hash of their tokens and trained mask,
+never by position alone: a reordered dataset still lines up, a changed one fails loudly.
+Shards are memory-mapped (they also open with `datasets.Dataset.from_file`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from distill.cache.format import (
+    FORMAT,
+    VERSION,
+    CacheMismatch,
+    example_hash,
+    read_metadata,
+    shard_path,
+    tokenizer_hash,
+    trained_positions,
+)
+
+OPEN_SHARDS = 64
+VALUE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+REBUILD = ("Rebuild it for this run (python scripts/cache_teacher_logits.py with the same "
+           "experiment and overrides) or point teacher.dir at a matching cache.")
+
+
+class TeacherCache:
+    def __init__(self, root):
+        self.root = Path(root)
+        meta = read_metadata(self.root)
+        if meta is None:
+            raise FileNotFoundError(f"no teacher cache at {self.root} (no metadata.json): "
+                                    "write it first with scripts/cache_teacher_logits.py")
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise CacheMismatch("format", (meta.get("format"), meta.get("version")),
+                                (FORMAT, VERSION), str(self.root), REBUILD)
+        if not meta.get("complete"):
+            raise RuntimeError(f"teacher cache {self.root} is incomplete (the caching job "
+                               "stopped early): rerun it to finish; written shards are kept")
+        self.meta = meta
+        self.top_k = int(meta["top_k"])
+        self.value_dtype = VALUE_DTYPES[meta["dtype"]]
+        self._tables: OrderedDict[tuple[str, int], pa.Table] = OrderedDict()
+        self.index: dict[str, tuple[str, int, int, int]] = {}  # id -> split, shard, row, hash
+        for split, info in meta["plan"]["splits"].items():
+            for shard in range(info["shards"]):
+                tbl = self._table(split, shard)
+                ids = tbl.column("example_id").to_pylist()
+                hashes = tbl.column("token_hash").to_pylist()
+                for row, (eid, th) in enumerate(zip(ids, hashes)):
+                    self.index[eid] = (split, shard, row, th)
+
+    def _table(self, split: str, shard: int) -> pa.Table:
+        key = (split, shard)
+        if key in self._tables:
+            self._tables.move_to_end(key)
+            return self._tables[key]
+        src = pa.memory_map(str(shard_path(self.root, split, shard)))
+        self._tables[key] = pa.ipc.open_stream(src).read_all()  # zero-copy views
+        if len(self._tables) > OPEN_SHARDS:  # bound the open files of a big cache
+            self._tables.popitem(last=False)
+        return self._tables[key]
+
+    # --- checks -----------------------------------------------------------------
+    def expect(self, field: str, value) -> None:
+        """Raise CacheMismatch naming `field` unless the cache recorded `value` for it."""
+        cached = self.meta.get(field)
+        if cached != value:  # numbers compare by value: 1 == 1.0
+            raise CacheMismatch(field, cached, value, str(self.root), REBUILD)
+
+    def check_tokenizer(self, tokenizer) -> None:
+        self.expect("tokenizer", tokenizer_hash(tokenizer))
+        self.expect("vocab", len(tokenizer))
+
+    def check_split(self, split: str, fingerprint: str) -> None:
+        data = self.meta.get("data", {})
+        if split not in data:
+            raise CacheMismatch(f"data.{split}", None, fingerprint, str(self.root),
+                                f"The cache has no {split!r} split. {REBUILD}")
+        if data[split] != fingerprint:
+            raise CacheMismatch(f"data.{split} (data fingerprint)", data[split], fingerprint,
+                                str(self.root), REBUILD)
+
+    # --- serving ------------------------------------------------------------------
+    def example(self, example_id: str, input_ids, labels):
+        """(positions (n,), ids (n, K) int32, logprobs (n, K) float32) of one example."""
+        if example_id not in self.index:
+            raise KeyError(f"example {example_id!r} is not in the teacher cache {self.root}: "
+                           f"the data differs from what was cached. {REBUILD}")
+        split, shard, row, th = self.index[example_id]
+        if example_hash(input_ids, labels) != th:
+            raise CacheMismatch(f"tokens of example {example_id!r}", th,
+                                example_hash(input_ids, labels), str(self.root), REBUILD)
+        tbl = self._table(split, shard)
+        pos = trained_positions(labels)
+        ids = tbl.column("ids")[row].values.to_numpy().reshape(-1, self.top_k)
+        bits = tbl.column("logprobs_bits")[row].values.to_numpy().reshape(-1, self.top_k)
+        lps = torch.from_numpy(bits.view(np.int16).copy()).view(self.value_dtype).float()
+        if len(ids) != len(pos):
+            raise CacheMismatch(f"trained positions of example {example_id!r}", len(ids),
+                                len(pos), str(self.root), REBUILD)
+        return pos, torch.from_numpy(ids.copy()), lps
+
+    def batch_targets(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """target_ids (N, K) int32 and target_logprobs (N, K) fp32 for the flattened shifted
+        positions of a padded batch; untrained rows hold id 0, log-prob 0 (the loss drops
+        them)."""
+        if "example_id" not in batch:
+            raise ValueError("a cached teacher needs batch['example_id'] to find its targets")
+        input_ids = batch["input_ids"].cpu()
+        labels = batch["labels"].cpu()
+        mask = batch.get("attention_mask")
+        lengths = (mask.cpu().sum(1) if mask is not None
+                   else torch.full((len(input_ids),), input_ids.shape[1])).tolist()
+        b, t = input_ids.shape
+        ids = torch.zeros((b * (t - 1), self.top_k), dtype=torch.int32)
+        lps = torch.zeros((b * (t - 1), self.top_k), dtype=torch.float32)
+        for i, eid in enumerate(batch["example_id"]):
+            n = int(lengths[i])
+            x, y = input_ids[i, :n].numpy(), labels[i, :n].numpy()
+            pos, e_ids, e_lps = self.example(eid, x, y)
+            rows = torch.from_numpy(pos.astype(np.int64)) + i * (t - 1)
+            ids[rows], lps[rows] = e_ids, e_lps
+        return ids, lps

@@ -1,0 +1,38 @@
+"""`cache_teacher_logits(cfg)`: the caching job built from a Hydra config (conf/cache.yaml).
+
+The thin @hydra.main wrapper is scripts/cache_teacher_logits.py; tests call this directly.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from distill.cache.job import CacheJob, CacheSettings
+from distill.models import DEMO_ASSETS, check_head_rows, load_tokenizer
+
+if not OmegaConf.has_resolver("distill_demo"):
+    OmegaConf.register_new_resolver("distill_demo", lambda: str(DEMO_ASSETS))
+
+
+def cache_teacher_logits(cfg: DictConfig) -> dict:
+    L.seed_everything(cfg.seed)
+    c = cfg.cache
+    teacher = instantiate(c.teacher)  # a LiveTeacher: the model whose top-k we keep
+    tokenizer = load_tokenizer(teacher.tokenizer_path)
+    check_head_rows(teacher.model, len(tokenizer), "teacher")
+    data = instantiate(cfg.data, tokenizer=tokenizer)
+    data.setup("fit")
+    splits = {"train": data.train_set, "val": data.val_set}
+    splits = {k: v for k, v in splits.items() if k in c.splits and v is not None}
+    settings = CacheSettings(dir=c.dir, top_k=c.top_k, dtype=c.dtype,
+                             temperature=c.temperature, shard_size=c.shard_size,
+                             batch_size=c.batch_size, chunk=c.chunk,
+                             num_workers=c.num_workers)
+    job = CacheJob(settings, splits, data.collate, teacher_name=c.teacher.name_or_path,
+                   tokenizer=tokenizer, max_length=data.max_length)
+    # each rank picks its own shards, so Lightning must not add a DistributedSampler
+    trainer = instantiate(cfg.trainer, callbacks=[job.writer], logger=False,
+                          use_distributed_sampler=False, enable_checkpointing=False)
+    return job.run(trainer, teacher.model)

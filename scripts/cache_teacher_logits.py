@@ -1,0 +1,20 @@
+"""Write the teacher-logit cache: `python scripts/cache_teacher_logits.py +experiment=offline_fkl`.
+
+Runs the teacher once over the training (and val) data as a Lightning predict job and
+stores the top-k log-probs of every trained position (docs/cache.md). Rerunning it
+finishes an interrupted cache; training then reads it with teacher=cached.
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+from distill.cache.run import cache_teacher_logits
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="cache")
+def main(cfg: DictConfig) -> None:
+    cache_teacher_logits(cfg)
+
+
+if __name__ == "__main__":
+    main()
