@@ -1,0 +1,104 @@
+"""Exact-match accuracy of a causal LM on the demo's checkable chat tasks.
+
+Each example is a chat (`messages`) whose last turn is the assistant's answer, plus a `task`
+name. The model answers the prompt (every turn before the answer, then the chat template's
+generation prompt) by greedy decoding; an answer counts when it equals the reference after
+stripping whitespace. Prompts are left-padded so that a whole batch decodes in one
+`model.generate` call: the cost is a few forward passes per batch, not per example.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+
+def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Read a jsonl file of `{"messages": [...], "task": ...}` examples (the first `limit`)."""
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                examples.append(json.loads(line))
+            if limit is not None and len(examples) >= limit:
+                break
+    return examples
+
+
+def _prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of every turn before the final answer, ending with the generation prompt."""
+    encoded = tokenizer.apply_chat_template(
+        messages[:-1], tokenize=True, add_generation_prompt=True, return_dict=True
+    )
+    return list(encoded["input_ids"])
+
+
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        attention_mask[i, width - len(row) :] = 1
+    return input_ids, attention_mask
+
+
+@torch.no_grad()
+def generate_answers(
+    model, tokenizer, examples: list[dict], max_new_tokens: int = 16, batch_size: int = 64
+) -> list[str]:
+    """Greedy answers of `model` to the prompts of `examples`, in order."""
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id
+    prompts = [_prompt_ids(tokenizer, ex["messages"]) for ex in examples]
+    # Similar lengths in one batch: less padding to run through the model.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: list[str] = [""] * len(prompts)
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            input_ids, attention_mask = _left_pad([prompts[i] for i in idx], pad_id)
+            out = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )  # (B, prompt + new)
+            new_tokens = out[:, input_ids.shape[1] :].tolist()
+            for i, tokens in zip(idx, new_tokens):
+                answers[i] = tokenizer.decode(tokens, skip_special_tokens=True)
+    finally:
+        model.train(was_training)
+    return answers
+
+
+def task_accuracy(
+    model, tokenizer, examples: list[dict], max_new_tokens: int = 16, batch_size: int = 64
+) -> dict:
+    """Greedy exact-match accuracy on `examples`.
+
+    Returns `{"overall": float, "per_task": {task: float}, "n": int}`; accuracies are
+    fractions in [0, 1]. The reference answer is the content of each example's last message.
+    """
+    if not examples:
+        raise ValueError("task_accuracy needs at least one example; got an empty list.")
+    answers = generate_answers(model, tokenizer, examples, max_new_tokens, batch_size)
+    hits: dict[str, list[bool]] = defaultdict(list)
+    for ex, answer in zip(examples, answers):
+        reference = ex["messages"][-1]["content"]
+        hits[ex.get("task", "all")].append(answer.strip() == reference.strip())
+    everything = [h for task_hits in hits.values() for h in task_hits]
+    return {
+        "overall": sum(everything) / len(everything),
+        "per_task": {task: sum(h) / len(h) for task, h in sorted(hits.items())},
+        "n": len(everything),
+    }
