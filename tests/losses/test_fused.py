@@ -106,3 +106,34 @@ def test_components_split_divergence_and_ce():
     torch.testing.assert_close(parts["ce"].double(), ce, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(parts["divergence"], div_only, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(total, div_only + 0.7 * parts["ce"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
+def test_head_extras_bias_scale_softcap(kind):
+    from distill.losses import HeadTransform
+    from distill.losses.reference import reference_linear_divergence
+    from distill.losses.spec import DivergenceSpec
+
+    x = make_inputs(n=23, v=301)
+    bias_s = torch.randn(301, dtype=torch.float64)
+    bias_t = torch.randn(301, dtype=torch.float64)
+
+    def run(cast):
+        hs = x["student_hidden"].to(cast).requires_grad_(True)
+        ws = x["student_weight"].to(cast).requires_grad_(True)
+        bs = bias_s.to(cast).requires_grad_(True)
+        common = dict(teacher_hidden=x["teacher_hidden"].to(cast),
+                      teacher_weight=x["teacher_weight"].to(cast), labels=x["labels"],
+                      student_head=HeadTransform(bs, 0.7, 5.0),
+                      teacher_head=HeadTransform(bias_t.to(cast), 1.3, 8.0))
+        if cast == torch.float64:
+            loss = reference_linear_divergence(hs, ws, spec=DivergenceSpec(kind, ce_weight=0.2),
+                                               **common)
+        else:
+            loss = linear_divergence(hs, ws, kind=kind, ce_weight=0.2, chunk_size=5, **common)
+        (loss * 3).backward()
+        return loss, hs.grad, ws.grad, bs.grad
+
+    got, ref = run(torch.float32), run(torch.float64)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-6)
