@@ -119,9 +119,9 @@ def test_head_extras_bias_scale_softcap(kind):
     bias_t = torch.randn(301, dtype=torch.float64)
 
     def run(cast):
-        hs = x["student_hidden"].to(cast).requires_grad_(True)
-        ws = x["student_weight"].to(cast).requires_grad_(True)
-        bs = bias_s.to(cast).requires_grad_(True)
+        hs = x["student_hidden"].to(cast).clone().requires_grad_(True)
+        ws = x["student_weight"].to(cast).clone().requires_grad_(True)
+        bs = bias_s.to(cast).clone().requires_grad_(True)
         common = dict(teacher_hidden=x["teacher_hidden"].to(cast),
                       teacher_weight=x["teacher_weight"].to(cast), labels=x["labels"],
                       student_head=HeadTransform(bs, 0.7, 5.0),
