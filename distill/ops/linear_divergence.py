@@ -62,7 +62,10 @@ def _gemm_fp32(a, b, out):
     """a @ b into the fp32 `out`, accumulating in fp32 from 16-bit operands on CUDA."""
     if a.is_cuda and a.dtype == b.dtype and a.dtype in _HALF:
         # fp32 out of the GEMM: bf16 logits lose the small probabilities' gradients.
-        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32, out=out)
+        except (TypeError, RuntimeError):  # torch without the out= overload
+            return out.copy_(torch.mm(a, b, out_dtype=torch.float32))
     return torch.mm(a.float(), b.float(), out=out)
 
 
@@ -99,7 +102,10 @@ def _fold(dz, h, ws, grad_h, grad_w):
     if grad_w.dtype == dz.dtype == h.dtype:
         grad_w.addmm_(dz.T, h)
     elif dz.is_cuda and dz.dtype == h.dtype and dz.dtype in _HALF:
-        torch.addmm(grad_w, dz.T, h, out_dtype=torch.float32, out=grad_w)  # fp32_weight_grad
+        try:  # fp32_weight_grad: accumulate in fp32 without an fp32 copy of dz
+            torch.addmm(grad_w, dz.T, h, out_dtype=torch.float32, out=grad_w)
+        except (TypeError, RuntimeError):
+            grad_w += torch.mm(dz.T, h, out_dtype=torch.float32)
     else:
         grad_w.addmm_(dz.T.to(grad_w.dtype), h.to(grad_w.dtype))
 
