@@ -48,7 +48,7 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 @torch.no_grad()
 def generate_answers(
-    model, tokenizer, examples: list[dict], max_new_tokens: int = 16, batch_size: int = 64
+    model, tokenizer, examples: list[dict], max_new_tokens: int = 16, batch_size: int = 256
 ) -> list[str]:
     """Greedy answers of `model` to the prompts of `examples`, in order."""
     device = next(model.parameters()).device
@@ -82,7 +82,7 @@ def generate_answers(
 
 
 def task_accuracy(
-    model, tokenizer, examples: list[dict], max_new_tokens: int = 16, batch_size: int = 64
+    model, tokenizer, examples: list[dict], max_new_tokens: int = 16, batch_size: int = 256
 ) -> dict:
     """Greedy exact-match accuracy on `examples`.
 

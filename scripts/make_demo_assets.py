@@ -47,10 +47,20 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
 )
 
-TEACHER = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=4, intermediate_size=384)
-STUDENT = dict(hidden_size=96, num_hidden_layers=2, num_attention_heads=3,
-               num_key_value_heads=3, intermediate_size=256)
+TEACHER = dict(
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    intermediate_size=384,
+)
+STUDENT = dict(
+    hidden_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=3,
+    num_key_value_heads=3,
+    intermediate_size=256,
+)
 MAX_POSITIONS = 128
 
 
@@ -145,8 +155,9 @@ def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    trainer = trainers.WordLevelTrainer(vocab_size=512, min_frequency=1,
-                                        special_tokens=SPECIAL_TOKENS)
+    trainer = trainers.WordLevelTrainer(
+        vocab_size=512, min_frequency=1, special_tokens=SPECIAL_TOKENS
+    )
     tok.train_from_iterator(texts, trainer)
     # Plain text (CPT) gets a bos like Llama's tokenizers; the chat template writes its own.
     tok.post_processor = processors.TemplateProcessing(
@@ -174,8 +185,9 @@ def check_assistant_mask(tokenizer, example: dict) -> None:
     marked = [t for t, m in zip(ids, mask) if m]
     expected = tokenizer(example["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
     if marked != expected + [tokenizer.eos_token_id] or mask[-len(marked) :] != [1] * len(marked):
-        raise RuntimeError(f"assistant mask is wrong: {tokenizer.convert_ids_to_tokens(ids)} "
-                           f"mask {mask}")
+        raise RuntimeError(
+            f"assistant mask is wrong: {tokenizer.convert_ids_to_tokens(ids)} mask {mask}"
+        )
 
 
 # ---------------------------------------------------------------- teacher
@@ -197,7 +209,9 @@ def encode_corpus(tokenizer, sft: list[dict], cpt: list[str]) -> list[tuple[list
     """(input_ids, trained-mask) rows: SFT trains the answer tokens, CPT every token."""
     rows = []
     enc = tokenizer.apply_chat_template(
-        [ex["messages"] for ex in sft], tokenize=True, return_dict=True,
+        [ex["messages"] for ex in sft],
+        tokenize=True,
+        return_dict=True,
         return_assistant_tokens_mask=True,
     )
     rows += list(zip(enc["input_ids"], enc["assistant_masks"]))
@@ -288,8 +302,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=1000)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--teacher", type=json.loads, default={},
-                   help='JSON overrides of the teacher config, e.g. \'{"hidden_size": 192}\'')
+    p.add_argument(
+        "--teacher",
+        type=json.loads,
+        default={},
+        help="JSON overrides of the teacher config, e.g. '{\"hidden_size\": 192}'",
+    )
     return p.parse_args(argv)
 
 
@@ -306,8 +324,10 @@ def main(argv=None) -> None:
     for split, examples in splits.items():
         write_jsonl(out / "data" / f"sft_{split}.jsonl", examples)
     seen: set[str] = set()
-    cpt = {"train": make_cpt_split(rng, args.n_cpt, seen),
-           "val": make_cpt_split(rng, max(1, args.n_cpt // 10), seen)}
+    cpt = {
+        "train": make_cpt_split(rng, args.n_cpt, seen),
+        "val": make_cpt_split(rng, max(1, args.n_cpt // 10), seen),
+    }
     for split, lines in cpt.items():
         (out / "data" / f"cpt_{split}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
@@ -325,8 +345,10 @@ def main(argv=None) -> None:
     tokenizer.save_pretrained(out / "teacher")
 
     reloaded = LlamaForCausalLM.from_pretrained(out / "teacher", dtype=torch.float32)
-    print(f"teacher trained in {seconds / 60:.1f} min; test accuracy after reload: "
-          f"{task_accuracy(reloaded, tokenizer, splits['test'])}")
+    print(
+        f"teacher trained in {seconds / 60:.1f} min; test accuracy after reload: "
+        f"{task_accuracy(reloaded, tokenizer, splits['test'])}"
+    )
 
     student = llama_config(tokenizer, STUDENT)
     student.save_pretrained(out / "student")

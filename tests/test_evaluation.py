@@ -1,0 +1,126 @@
+"""task_accuracy: exact match per task, and batched left-padded decoding that matches greedy."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+import distill
+from distill.evaluation import generate_answers, load_examples, task_accuracy
+
+ASSETS = Path(distill.__file__).parent / "demo_assets"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+
+
+def _chat(prompt, answer, task):
+    return {
+        "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
+        "task": task,
+    }
+
+
+EXAMPLES = [
+    _chat("add 12+30", "42", "addition"),
+    _chat("add 999+1", "1000", "addition"),
+    _chat("reverse abc", "cba", "reversal"),
+    _chat("reverse hello", "olleh", "reversal"),
+    _chat("sort 3142", "1234", "sorting"),
+]
+
+
+class ScriptedModel(torch.nn.Module):
+    """Answers each prompt from a table; checks it is given left-padded prompts."""
+
+    def __init__(self, tokenizer, answers: dict[str, str]):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+        self.tokenizer, self.answers = tokenizer, answers
+
+    def generate(
+        self, input_ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id, **kwargs
+    ):
+        assert kwargs["do_sample"] is False
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            assert mask == sorted(mask), "prompts must be left-padded"
+            prompt = self.tokenizer.decode(ids, skip_special_tokens=True)
+            answer = self.tokenizer(" " + self.answers[prompt] + " ", add_special_tokens=False)
+            new = answer["input_ids"][: max_new_tokens - 1] + [eos_token_id]
+            rows.append(ids + new + [pad_token_id] * (max_new_tokens - len(new)))
+        return torch.tensor(rows)
+
+
+def _table(examples, wrong_task=None):
+    return {
+        ex["messages"][0]["content"]: "nope"
+        if ex["task"] == wrong_task
+        else ex["messages"][1]["content"]
+        for ex in examples
+    }
+
+
+def test_a_model_that_knows_the_answers_scores_one(tokenizer):
+    model = ScriptedModel(tokenizer, _table(EXAMPLES))
+    result = task_accuracy(model, tokenizer, EXAMPLES, batch_size=2)
+    assert result == {
+        "overall": 1.0,
+        "per_task": {"addition": 1.0, "reversal": 1.0, "sorting": 1.0},
+        "n": 5,
+    }
+
+
+def test_wrong_answers_count_against_their_task_only(tokenizer):
+    model = ScriptedModel(tokenizer, _table(EXAMPLES, wrong_task="reversal"))
+    result = task_accuracy(model, tokenizer, EXAMPLES, batch_size=3)
+    assert result["per_task"] == {"addition": 1.0, "reversal": 0.0, "sorting": 1.0}
+    assert result["overall"] == pytest.approx(3 / 5)
+
+
+def test_answers_come_back_in_input_order(tokenizer):
+    model = ScriptedModel(tokenizer, _table(EXAMPLES))
+    answers = generate_answers(model, tokenizer, EXAMPLES, batch_size=2)
+    assert [a.strip() for a in answers] == [ex["messages"][1]["content"] for ex in EXAMPLES]
+
+
+def test_batched_decoding_matches_one_prompt_at_a_time_greedy(tokenizer):
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ASSETS / "student"))
+    answers = generate_answers(model, tokenizer, EXAMPLES, max_new_tokens=6, batch_size=5)
+    model.eval()
+    for ex, answer in zip(EXAMPLES, answers):
+        ids = tokenizer.apply_chat_template(
+            ex["messages"][:1], tokenize=True, add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        ids, new = torch.tensor([ids]), []
+        with torch.no_grad():
+            for _ in range(6):
+                token = model(input_ids=ids).logits[0, -1].argmax().item()
+                if token == tokenizer.eos_token_id:
+                    break
+                new.append(token)
+                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        assert answer == tokenizer.decode(new, skip_special_tokens=True)
+    assert model.training is False
+
+
+def test_training_mode_is_restored(tokenizer):
+    model = ScriptedModel(tokenizer, _table(EXAMPLES)).train()
+    task_accuracy(model, tokenizer, EXAMPLES[:1])
+    assert model.training
+
+
+def test_load_examples_reads_jsonl_with_a_limit(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text("\n".join(json.dumps(ex) for ex in EXAMPLES) + "\n\n")
+    assert load_examples(path) == EXAMPLES
+    assert load_examples(path, limit=2) == EXAMPLES[:2]
+
+
+def test_no_examples_is_an_error(tokenizer):
+    with pytest.raises(ValueError, match="at least one example"):
+        task_accuracy(ScriptedModel(tokenizer, {}), tokenizer, [])
