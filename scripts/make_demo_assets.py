@@ -6,7 +6,14 @@ Everything is generated here (no downloads) and is deterministic given the seed.
 (addition, string reversal, sorting) have exact answers, so a distilled student can be
 scored by exact match (`distill.evaluation.task_accuracy`). The tokenizer is character
 level: digits and letters are single tokens, which is what lets a model of a couple of
-million parameters learn carries and reversals in minutes on a CPU.
+million parameters learn carries and reversals in minutes.
+
+Needs the package importable (`pip install -e .`). The teacher's 4000 steps of batch 64 cost
+about 0.15 s each on two idle CPU cores (about 10-15 minutes in all; much longer on busy
+cores); `--device cuda` does them in about 75 s. The committed teacher was trained with
+`--device cuda`, seed 0, the other arguments at their defaults (data and tokenizer are
+byte-identical on either device), and scores 0.96 exact match on the test split after
+reloading in float32 on a CPU.
 """
 
 from __future__ import annotations
