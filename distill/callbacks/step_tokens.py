@@ -63,6 +63,11 @@ def _generators(loader) -> list[torch.Generator]:
     return found
 
 
+def _set_generators(loader, states: list[torch.Tensor]) -> None:
+    for g, state in zip(_generators(loader), states):
+        g.set_state(state)
+
+
 def _is_stateful(loader) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(
         getattr(loader, "load_state_dict", None))
@@ -181,7 +186,9 @@ class StepTokenCounter(L.Callback):
 
     def state_dict(self) -> dict:
         w = self._current
+        loader = self._loader()
         return {"epoch": self._epoch, "consumed": self._consumed, "rng": self._epoch_rng,
+                "rng_now": [g.get_state() for g in _generators(loader)] if loader else None,
                 "window_start": w.start if w else 0,
                 "loader_state": w.loader_state if w else None}
 
@@ -189,6 +196,11 @@ class StepTokenCounter(L.Callback):
         self._resume = dict(state_dict)
 
     # --- the lookahead ------------------------------------------------------------------
+    def _loader(self):
+        combined = self._trainer.fit_loop._combined_loader if self._trainer else None
+        wrapped = combined.flattened[0] if combined is not None else None
+        return wrapped.loader if isinstance(wrapped, StepLookahead) else None
+
     def _install(self, trainer) -> None:
         self._trainer = trainer
         self.accumulate = trainer.accumulate_grad_batches
@@ -223,13 +235,20 @@ class StepTokenCounter(L.Callback):
         self._epoch_rng = None
         loader = wrapped.loader
         resume, self._resume = self._resume, None
-        if not (resume and resume["epoch"] == self._epoch
-                and 0 < resume["consumed"] < self.epoch_batches):
-            return _WindowIterator(self, loader, live, len(prefetched), prefetched)
-        if prefetched:
-            raise RuntimeError("StepTokenCounter cannot resume mid-epoch when Lightning "
-                               "prefetches (a train loader without a length)")
-        return self._resume_epoch(loader, live, resume)
+        if resume and resume["epoch"] == self._epoch and \
+                0 < resume["consumed"] < self.epoch_batches:
+            if prefetched:
+                raise RuntimeError("StepTokenCounter cannot resume mid-epoch when Lightning "
+                                   "prefetches (a train loader without a length)")
+            return self._resume_epoch(loader, live, resume)
+        if resume and resume["rng_now"] and resume["epoch"] + 1 == self._epoch \
+                and not prefetched and not _is_stateful(loader):
+            # saved as its epoch ended: the next epoch draws its order from the generators
+            # as they were then, not from the freshly built loader's
+            self._epoch_rng = resume["rng_now"]
+            _set_generators(loader, resume["rng_now"])
+            return _WindowIterator(self, loader, iter(loader), 0)
+        return _WindowIterator(self, loader, live, len(prefetched), prefetched)
 
     def _reset_epoch(self) -> None:
         self._windows.clear()
@@ -243,8 +262,7 @@ class StepTokenCounter(L.Callback):
             loader.load_state_dict(resume["loader_state"])
             source, skip = iter(loader), consumed - resume["window_start"]
         elif resume["rng"] is not None:
-            for g, state in zip(_generators(loader), resume["rng"]):
-                g.set_state(state)
+            _set_generators(loader, resume["rng"])
             source, skip = iter(loader), consumed
         else:  # the epoch Lightning opened at fit start: the loader rebuilds its order
             source, skip = live, consumed

@@ -1,0 +1,193 @@
+"""The normalization proof's pieces, shared by the one-process tests and the DDP worker.
+
+Micro-batches with very different valid-token counts (SFT with long prompts, CPT with none
+masked, micro-batches with no valid token at all), a fit that records the student's
+gradient at every optimizer step (SGD with lr=0, so every step sees the initial weights),
+and the one-pass float64 reference: the step's data padded into one batch, the loss
+weighted by the policy's definition written out here from the design table.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from distill.callbacks import StepTokenCounter
+from distill.losses.reference import reference_per_token_loss
+from distill.models import final_hidden_states, lm_head, load_causal_lm
+from distill.module import DistillModule
+from distill.teachers import LiveTeacher
+
+LOSS = {"kind": "jsd", "beta": 0.3, "ce_weight": 0.2}
+N_MICRO = 7  # micro-batches per rank and epoch: K=3 -> windows 3, 3, 1; K=4 -> 4, 3
+PAD = 0
+
+
+def micro_batches(rank: int, vocab: int) -> list[dict]:
+    """Rank `rank`'s micro-batches. The last one is empty on every rank, so with K in
+    {1, 3} the epoch's last step has no valid token; rank 0's second one is empty too."""
+    g = torch.Generator().manual_seed(100 + rank)
+    specs = [("sft", 2, 40), ("empty", 1, 20) if rank == 0 else ("cpt", 3, 12),
+             ("cpt", 2, 24), ("sft", 3, 30), ("cpt", 1, 8), ("sft", 2, 16), ("empty", 1, 10)]
+    return [_batch(kind, rows, width, vocab, g) for kind, rows, width in specs]
+
+
+def _batch(kind: str, rows: int, width: int, vocab: int, g) -> dict:
+    ids = torch.randint(7, vocab, (rows, width), generator=g)
+    attn = torch.ones(rows, width, dtype=torch.long)
+    labels = ids.clone()
+    for r in range(rows):
+        length = width - int(torch.randint(0, width // 3, (), generator=g)) if r else width
+        ids[r, length:], attn[r, length:], labels[r, length:] = PAD, 0, -100
+        if kind == "sft":  # a long masked prompt, then a short answer
+            labels[r, : length - int(torch.randint(2, 6, (), generator=g))] = -100
+        elif kind == "empty":
+            labels[r] = -100
+    return {"input_ids": ids, "attention_mask": attn, "labels": labels}
+
+
+def windows(n: int, k: int) -> list[range]:
+    return [range(s, min(s + k, n)) for s in range(0, n, k)]
+
+
+class CountingBatches(Dataset):
+    """Ready-made micro-batches that count how often each is loaded."""
+
+    def __init__(self, batches: list[dict]):
+        self.batches, self.loads = batches, [0] * len(batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> dict:
+        self.loads[i] += 1
+        return self.batches[i]
+
+
+class GradCapture(L.Callback):
+    """The student's gradient at each optimizer step (after the data-parallel average)."""
+
+    def __init__(self):
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps.append({n: p.grad.detach().clone() for n, p in
+                           pl_module.student.named_parameters() if p.grad is not None})
+
+
+@functools.lru_cache(maxsize=2)
+def models(assets_dir: str):
+    student = load_causal_lm(f"{assets_dir}/student")
+    teacher = LiveTeacher(f"{assets_dir}/teacher")
+    return student, teacher
+
+
+def make_module(assets_dir: str, policy: str, lr: float = 0.0) -> DistillModule:
+    student, teacher = models(assets_dir)
+    student = copy.deepcopy(student)
+    return DistillModule(student, teacher, loss={**LOSS, "normalization": policy},
+                         optimizer=functools.partial(torch.optim.SGD, lr=lr),
+                         vocab_size=student.config.vocab_size)
+
+
+def trainer(k: int, devices: int = 1, callbacks=(), **kw) -> L.Trainer:
+    kw = {"max_epochs": 1, "logger": False, "enable_checkpointing": False, **kw}
+    return L.Trainer(accelerator="cpu", devices=devices,
+                     strategy="ddp" if devices > 1 else "auto", accumulate_grad_batches=k,
+                     enable_progress_bar=False, enable_model_summary=False,
+                     use_distributed_sampler=False, callbacks=[StepTokenCounter(), *callbacks],
+                     **kw)
+
+
+class LoadWatch(L.Callback):
+    """The lookahead loads each micro-batch once and runs at most one window ahead."""
+
+    def __init__(self, data: CountingBatches, k: int):
+        self.data, self.k = data, k
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        loaded = sum(self.data.loads) - trainer.current_epoch * len(self.data)
+        assert 0 <= loaded - (batch_idx + 1) < self.k, (loaded, batch_idx, self.k)
+
+
+def fit_grads(module, batches: list[dict], k: int, devices: int = 1, epochs: int = 1):
+    """Fit over `batches` and return the gradient of every optimizer step."""
+    capture, data = GradCapture(), CountingBatches(batches)
+    t = trainer(k, devices, [capture, LoadWatch(data, k)], max_epochs=epochs)
+    t.fit(module, train_dataloaders=DataLoader(data, batch_size=None))
+    assert data.loads == [epochs] * len(batches)
+    return capture.steps
+
+
+# --- the one-pass reference ---------------------------------------------------------------
+def policy_weights(policy: str, valid, real, micro_batch, n_micro: int) -> torch.Tensor:
+    """(rows, T-1) weights of the step's one batch, from the design table's definitions."""
+    valid = valid.double()
+    if policy == "valid_tokens":
+        return valid / max(valid.sum().item(), 1)
+    if policy == "all_tokens":
+        return valid / max(real.sum().item(), 1)
+    if policy == "sequence_mean":  # each row is one sequence here (no packing)
+        per_row = valid.sum(1, keepdim=True)
+        n_seq = int((per_row > 0).sum())
+        return valid / (per_row.clamp_min(1) * max(n_seq, 1))
+    if policy == "micro_batch_valid_tokens":  # the mean of the micro-batches' means
+        w = torch.zeros_like(valid)
+        for m in micro_batch.unique():
+            rows = micro_batch == m
+            w[rows] = valid[rows] / max(valid[rows].sum().item(), 1) / n_micro
+        return w
+    raise ValueError(policy)
+
+
+def reference_grads(assets_dir: str, step: list[dict], policies) -> dict[str, dict]:
+    """{policy: {param: grad}} of the step's loss, computed in one float64 pass over all
+    of the step's micro-batches (padded into one batch)."""
+    student, teacher = models(assets_dir)
+    s = copy.deepcopy(student).double()
+    t = copy.deepcopy(teacher.model).double()
+    width = max(b["input_ids"].shape[1] for b in step)
+
+    def pad(x, value):
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+    ids = torch.cat([pad(b["input_ids"], PAD) for b in step])
+    attn = torch.cat([pad(b["attention_mask"], 0) for b in step])
+    labels = torch.cat([pad(b["labels"], -100) for b in step])
+    micro = torch.cat([torch.full((len(b["input_ids"]),), i) for i, b in enumerate(step)])
+    hs = final_hidden_states(s, ids, attn)[:, :-1]
+    with torch.no_grad():
+        ht = final_hidden_states(t, ids, attn)[:, :-1]
+    v = student.config.vocab_size
+    zs = hs @ lm_head(s)[0][:v].T  # (rows, T-1, V)
+    zt = ht @ lm_head(t)[0][:v].T
+    target = labels[:, 1:]
+    module = make_module(assets_dir, "valid_tokens")
+    per_token = reference_per_token_loss(zs.flatten(0, 1), zt.flatten(0, 1),
+                                         labels=target.flatten(), spec=module.loss_fn.spec)
+    valid = (target != -100) & attn[:, 1:].bool()
+    real = attn[:, 1:].bool() & attn[:, :-1].bool()
+    params = dict(s.named_parameters())
+    out = {}
+    for policy in policies:
+        w = policy_weights(policy, valid, real, micro, len(step)).flatten()
+        grads = torch.autograd.grad((w * per_token).sum(), list(params.values()),
+                                    retain_graph=True, allow_unused=True)
+        out[policy] = {n: torch.zeros_like(p) if g is None else g
+                       for (n, p), g in zip(params.items(), grads)}
+    return out
+
+
+def assert_grads_match(got: dict, want: dict, rtol: float = 1e-5) -> None:
+    """fp32 gradients against the float64 reference: rtol 1e-5 on each tensor, with an atol
+    of rtol times the tensor's largest entry (entries near zero carry only rounding)."""
+    assert set(got) <= set(want), set(got) - set(want)
+    for name, g in got.items():
+        ref = want[name]
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(g.double(), ref, rtol=rtol, atol=rtol * scale + 1e-12,
+                                   msg=lambda m, name=name: f"{name}: {m}")
