@@ -183,7 +183,6 @@ def _load_liger():
 
 def breakdown(bt):
     """Where distill's time goes at one BT (live FKL): GEMMs as the op runs them, kernel alone."""
-    from distill.losses.spec import DivergenceSpec
     from distill.ops import divergence_triton
     from distill.ops.linear_divergence import choose_chunk_size
 
@@ -211,26 +210,46 @@ def breakdown(bt):
     for which in ("fwd", "bwd", "fwd+bwd"):
         out[f"chunked GEMMs {which} ms"] = _time(lambda which=which: gemms(which))
     for kind in ("forward_kl", "reverse_kl", "jsd"):
-        spec = DivergenceSpec(kind)
-        for block, warps in ((4096, 8), (4096, 16), (8192, 16)):
-            divergence_triton.CONFIG["live"] = (block, warps)
-            f = lambda spec=spec: divergence_triton.rows_loss_and_grad(  # noqa: E731
-                zs, zt, None, None, None, spec, True, grad_dtype=DT)
-            zs.normal_(0, 3)
-            ms = _time(f) * ((bt + c - 1) // c)
-            out[f"kernel {kind} BLOCK={block} warps={warps}, all chunks ms"] = ms
-            gbytes = bt * V * (18 if kind != "jsd" else 26) / 1e9
-            out[f"kernel {kind} BLOCK={block} warps={warps} GB/s"] = gbytes / ms * 1e3
-        divergence_triton.CONFIG["live"] = (4096, 16)
+        zs.normal_(0, 3)
+        ms = _time(_kernel_call(zs, zt, None, kind)) * ((bt + c - 1) // c)
+        out[f"kernel {kind} {divergence_triton.CONFIG['live']}, all chunks ms"] = ms
+        passes = 26 if kind == "jsd" else 18  # bytes per logit: 2 or 3 reads of 8, a 2 write
+        out[f"kernel {kind} GB/s at {passes} B per logit"] = bt * V * passes / ms / 1e6
     zs.normal_(0, 3)
-    for block, warps in ((4096, 8), (4096, 16), (8192, 16)):
-        divergence_triton.CONFIG["sparse"] = (block, warps)
-        spec = DivergenceSpec("forward_kl")
-        f = lambda spec=spec: divergence_triton.rows_loss_and_grad(  # noqa: E731
-            zs, None, x["ids"][:c], x["lps"][:c], None, spec, True, grad_dtype=DT)
-        out[f"sparse kernel BLOCK={block} warps={warps}, per chunk ms"] = _time(f)
-    divergence_triton.CONFIG["sparse"] = (4096, 16)
+    ms = _time(_kernel_call(zs, None, (x["ids"][:c], x["lps"][:c]), "forward_kl"))
+    out[f"sparse kernel {divergence_triton.CONFIG['sparse']}, per chunk of {c} ms"] = ms
     return out
+
+
+def _kernel_call(zs, zt, cached, kind):
+    from distill.losses.spec import DivergenceSpec
+    from distill.ops import divergence_triton
+
+    ids, lps = cached or (None, None)
+    spec = DivergenceSpec(kind)
+    return lambda: divergence_triton.rows_loss_and_grad(zs, zt, ids, lps, None, spec, True,
+                                                        grad_dtype=DT)
+
+
+def tune(candidates=((2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16))):
+    """Pick (BLOCK, num_warps) of each row kernel at this V, on one chunk of random logits."""
+    from distill.ops import divergence_triton
+    from distill.ops.linear_divergence import choose_chunk_size
+
+    c = choose_chunk_size(1 << 20, V, True, torch.device("cuda"))
+    zs, zt = torch.randn(c, V, device="cuda") * 3, torch.randn(c, V, device="cuda") * 3
+    ids = torch.randint(0, V, (c, K), device="cuda")
+    lps = torch.log_softmax(torch.randn(c, K, device="cuda"), -1) - 0.1
+    found = {}
+    for which, zt_, cached in (("live", zt, None), ("sparse", None, (ids, lps))):
+        times = {}
+        for cfg in candidates:
+            divergence_triton.CONFIG[which] = cfg
+            times[cfg] = _time(_kernel_call(zs, zt_, cached, "forward_kl"), reps=5)
+        best = min(times, key=times.get)
+        divergence_triton.CONFIG[which] = best
+        found[which] = dict(best=best, ms={str(k): round(v, 3) for k, v in times.items()})
+    return found
 
 
 def _time(fn, reps=10):
@@ -335,8 +354,14 @@ def main():
     p.add_argument("--max-full-logits-bt", type=int, default=16384,
                    help="eager / compile build the full logits: skip them above this BT")
     p.add_argument("--breakdown", action="store_true", help="time GEMMs and kernels apart")
+    p.add_argument("--tune", action="store_true", help="pick the row kernels' block sizes first")
     args = p.parse_args()
     env = environment()
+    if args.tune:
+        env["tuned"] = tune()
+    from distill.ops import divergence_triton
+
+    env["kernel_config"] = {k: list(v) for k, v in divergence_triton.CONFIG.items()}
     print(json.dumps(env))
     if args.breakdown:
         for bt in args.bt:

@@ -31,12 +31,12 @@ class _LinearDivergence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w, grad_b = ctx.saved_tensors
-        if bool(grad_out != 1):  # scaled in place: a copy of grad_w would cost its size
-            grad_h.mul_(grad_out.to(grad_h.dtype))
-            grad_w.mul_(grad_out)
-            grad_b.mul_(grad_out)
-        grad_w = grad_w.to(ctx.weight_dtype)
         grad_b = grad_b if ctx.has_bias else None
+        if bool(grad_out != 1):  # scaled in place: a copy of grad_w would cost its size
+            for g in (grad_h, grad_w, grad_b):
+                if g is not None:
+                    g.mul_(grad_out.to(g.dtype))
+        grad_w = grad_w.to(ctx.weight_dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
