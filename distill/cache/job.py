@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,9 +120,16 @@ class CacheJob:
 
     def run(self, trainer: L.Trainer, model) -> dict:
         t0 = time.perf_counter()
-        trainer.predict(self.predictor(model), datamodule=self.data, return_predictions=False)
+        with warnings.catch_warnings():  # our batches are whole items: no sampler indices
+            warnings.filterwarnings("ignore", "Couldn't infer the batch indices")
+            trainer.predict(self.predictor(model), datamodule=self.data,
+                            return_predictions=False)
+        w = self.writer
+        if trainer.world_size > 1:
+            print(f"[cache] rank {trainer.global_rank}/{trainer.world_size}: wrote {w.shards} "
+                  f"shards, {w.examples} examples, {w.tokens} tokens", flush=True)
         trainer.strategy.barrier("distill_cache_written")
-        done = torch.tensor([self.writer.examples, self.writer.tokens, self.writer.shards],
+        done = torch.tensor([w.examples, w.tokens, w.shards],
                             dtype=torch.float64, device=trainer.strategy.root_device)
         done = trainer.strategy.reduce(done, reduce_op="sum").tolist()
         wall = time.perf_counter() - t0

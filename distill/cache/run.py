@@ -33,6 +33,7 @@ def cache_teacher_logits(cfg: DictConfig) -> dict:
     job = CacheJob(settings, splits, data.collate, teacher_name=c.teacher.name_or_path,
                    tokenizer=tokenizer, max_length=data.max_length)
     # each rank picks its own shards, so Lightning must not add a DistributedSampler
-    trainer = instantiate(cfg.trainer, callbacks=[job.writer], logger=False,
+    callbacks = [instantiate(cb) for cb in (cfg.get("callbacks") or {}).values() if cb]
+    trainer = instantiate(cfg.trainer, callbacks=[job.writer, *callbacks], logger=False,
                           use_distributed_sampler=False, enable_checkpointing=False)
     return job.run(trainer, teacher.model)
