@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import torch
+from transformers import PreTrainedModel
+
+from distill.teachers import LiveTeacher
 
 
 def evaluate_models(cfg, tokenizer, models: dict) -> dict:
@@ -15,9 +18,10 @@ def evaluate_models(cfg, tokenizer, models: dict) -> dict:
     examples = load_examples(ev.path)[: ev.get("max_examples") or None]
     out = {}
     for name, model in models.items():
-        model = getattr(model, "model", model)  # a LiveTeacher wraps its model
-        if model is None:
-            continue
+        if isinstance(model, LiveTeacher):
+            model = model.model
+        elif not isinstance(model, PreTrainedModel):
+            continue  # a cached teacher has no model to score
         was_training = model.training
         model.eval()
         with torch.no_grad():
@@ -27,9 +31,9 @@ def evaluate_models(cfg, tokenizer, models: dict) -> dict:
     return out
 
 
-def _overall(acc) -> str:
-    value = acc.get("overall", acc) if isinstance(acc, dict) else acc
-    return f"{100 * float(value):5.1f}%"
+def _accuracy_line(name: str, acc: dict) -> str:
+    per_task = "  ".join(f"{k} {100 * v:.0f}%" for k, v in acc.get("per_task", {}).items())
+    return f"    {name:<18} {100 * acc['overall']:5.1f}%   {per_task}"
 
 
 def print_summary(summary: dict) -> None:
@@ -43,11 +47,6 @@ def print_summary(summary: dict) -> None:
             lines.append(f"  {key:<16}  {summary['metrics'][key]:.4f}")
     if summary["accuracy"]:
         lines.append("  demo-task accuracy (exact match, held-out test split):")
-        for name, acc in summary["accuracy"].items():
-            per_task = ""
-            if isinstance(acc, dict):
-                per_task = "  ".join(f"{k} {100 * v:.0f}%" for k, v in acc.items()
-                                     if k != "overall")
-            lines.append(f"    {name:<18} {_overall(acc)}   {per_task}")
+        lines += [_accuracy_line(name, acc) for name, acc in summary["accuracy"].items()]
     lines.append("=" * 60)
     print("\n".join(lines))
