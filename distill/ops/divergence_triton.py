@@ -25,7 +25,7 @@ from distill.losses.spec import TAIL_FLOOR, DivergenceSpec
 _KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
 # (BLOCK, num_warps) per row program, measured on an H200 at V=128256 (docs/notes/kernels.md);
 # scripts/bench_loss.py --tune re-measures them.
-CONFIG = {"live": (4096, 8), "sparse": (4096, 8)}
+CONFIG = {"live": (4096, 8), "sparse": (8192, 8)}
 MAX_K = 16384  # top-k ids held in registers by one program
 
 

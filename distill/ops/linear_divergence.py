@@ -93,19 +93,29 @@ def _chain_head(dz, u, head: HeadTransform | None):
     return dz * head.scale if head.scale != 1.0 else dz
 
 
-def _fold(dz, h, ws, grad_h, grad_w):
-    """grad_h = dz @ ws (this chunk's rows), grad_w += dz.T @ h, without (C, V) copies."""
+def _fold(dz, h, ws, grad_h, grad_w, first):
+    """grad_h = dz @ ws (this chunk's rows), grad_w (+)= dz.T @ h, without (C, V) copies.
+
+    The first chunk writes grad_w instead of adding to it: no memset of a weight-sized
+    buffer, no read of its zeros.
+    """
     if dz.dtype == ws.dtype == grad_h.dtype:
         torch.mm(dz, ws, out=grad_h)
     else:
         grad_h.copy_(dz @ ws.to(dz.dtype))
     if grad_w.dtype == dz.dtype == h.dtype:
-        grad_w.addmm_(dz.T, h)
+        torch.mm(dz.T, h, out=grad_w) if first else grad_w.addmm_(dz.T, h)
     elif dz.is_cuda and dz.dtype == h.dtype and dz.dtype in _HALF:
-        try:  # fp32_weight_grad: accumulate in fp32 without an fp32 copy of dz
-            torch.addmm(grad_w, dz.T, h, out_dtype=torch.float32, out=grad_w)
-        except (TypeError, RuntimeError):
-            grad_w += torch.mm(dz.T, h, out_dtype=torch.float32)
+        # fp32_weight_grad: accumulate in fp32 without an fp32 copy of dz
+        if first:
+            _gemm_fp32(dz.T, h, grad_w)
+        else:
+            try:
+                torch.addmm(grad_w, dz.T, h, out_dtype=torch.float32, out=grad_w)
+            except (TypeError, RuntimeError):  # torch without the out= overload
+                grad_w += torch.mm(dz.T, h, out_dtype=torch.float32)
+    elif first:
+        torch.mm(dz.T.to(grad_w.dtype), h.to(grad_w.dtype), out=grad_w)
     else:
         grad_w.addmm_(dz.T.to(grad_w.dtype), h.to(grad_w.dtype))
 
@@ -126,7 +136,8 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
     if need_grad:
         grad_h = torch.empty_like(hs)
         wdtype = torch.float32 if (fp32_weight_grad or not hs.is_cuda) else ws.dtype
-        grad_w = torch.zeros(ws.shape, dtype=wdtype, device=ws.device)
+        alloc = torch.zeros if n == 0 else torch.empty  # the first chunk writes it all
+        grad_w = alloc(ws.shape, dtype=wdtype, device=ws.device)
         if student_head is not None and student_head.bias is not None:
             grad_b = torch.zeros(vocab, dtype=torch.float32, device=ws.device)
     if n == 0:
@@ -166,5 +177,5 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
             if grad_b is not None:
                 grad_b += dz.sum(0)
             dz = dz.to(ws.dtype) if hs.is_cuda else dz
-        _fold(dz, h, ws, grad_h[sl], grad_w)
+        _fold(dz, h, ws, grad_h[sl], grad_w, first=start == 0)
     return loss, (grad_h, grad_w, grad_b)

@@ -121,7 +121,7 @@ def test_gpu_huge_logits(kind):
     """Logits spread over +-1e4: nothing overflows, the loss matches in relative terms."""
     x = make_inputs(logit_std=1e4, dtype=torch.float32, **GPU_SHAPES)
     got, ref = run_both(x, linear_divergence, kind=kind)
-    assert torch.isfinite(got[0]) and got[0] > 100
+    assert torch.isfinite(got[0]) and got[0] > (0.5 if kind == "jsd" else 100)  # JSD <= ln 2
     torch.testing.assert_close(got[0].double(), ref[0], rtol=1e-4, atol=0)
     for name, g in got[1].items():
         assert torch.isfinite(g).all() and _rel(g, ref[1][name]) < 1e-2, name
