@@ -1,0 +1,175 @@
+"""Throughput of the teacher-logit cache job against the bare teacher forward.
+
+    python scripts/bench_cache.py --out bench_out/cache            # CUDA: Llama-3-8B shape
+    python scripts/bench_cache.py --tiny --out /tmp/bench_cache    # CPU smoke test
+
+A Llama-3-8B-shaped teacher with random weights (bf16, sdpa) runs over random 4096-token
+sequences (every position trained, the worst case for the cache). Rows, in tokens/s:
+
+  base forward      the decoder only (last hidden state), what any teacher pass costs
+  HF forward        model(input_ids).logits: the decoder and the full bf16 logits
+  top-k step        TopKPredictor.predict_step: decoder + chunked fp32 logits + top-k,
+                    results copied to the host (no writing)
+  cache job         CacheJob.run through trainer.predict: all of the above plus Arrow
+                    shards written to disk and sealed (what a user runs)
+
+The overhead of top-k + writing is (base forward time / cache job time) - 1; the issue
+asks for <= 20%. Writes <out>/bench_cache.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import datasets
+import lightning as L
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from distill.cache import CacheJob, CacheSettings
+from distill.data import PadCollator
+from distill.models import final_hidden_states
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                 rope_theta=500000.0, max_position_embeddings=8192)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512)
+
+
+class FakeTokenizer:
+    """What the cache job reads from a tokenizer: its vocabulary (ids 0 .. V-1)."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+        self.all_special_tokens = []
+
+    def __len__(self) -> int:
+        return self.vocab
+
+    def get_vocab(self) -> dict:
+        return {f"t{i}": i for i in range(self.vocab)}
+
+
+def build_model(shape: dict, layers: int | None, dtype, device):
+    cfg = LlamaConfig(**{**shape, **({"num_hidden_layers": layers} if layers else {})})
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+def random_data(n: int, seq: int, vocab: int, seed: int = 0) -> datasets.Dataset:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, seq), generator=g).tolist()
+    return datasets.Dataset.from_dict({"input_ids": ids, "labels": ids,
+                                       "example_id": [f"bench:{i}" for i in range(n)]})
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, batches, device, warmup: int = 2) -> float:
+    """Seconds for fn over all batches, after `warmup` untimed calls."""
+    for b in batches[:warmup]:
+        fn(b)
+    sync(device)
+    t0 = time.perf_counter()
+    for b in batches:
+        fn(b)
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench_out/cache")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (a smoke test)")
+    p.add_argument("--layers", type=int, default=None, help="fewer decoder layers")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (4096)")
+    p.add_argument("--sequences", type=int, default=None, help="sequences timed (48)")
+    p.add_argument("--batch", type=int, default=2, help="sequences per batch")
+    p.add_argument("--top-k", type=int, default=64)
+    p.add_argument("--dtype", default="float16", help="of the stored log-probs")
+    args = p.parse_args()
+
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not args.tiny:
+        raise SystemExit("no CUDA device: run with --tiny for the CPU smoke test")
+    shape = TINY if args.tiny else LLAMA3_8B
+    seq = args.seq or (128 if args.tiny else 4096)
+    n_seq = args.sequences or (8 if args.tiny else 48)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    model = build_model(shape, args.layers, dtype, device)
+    vocab = model.config.vocab_size
+    data = random_data(n_seq, seq, vocab)
+    collate = PadCollator(pad_token_id=0)
+    batches = [collate([data[j] for j in range(i, min(i + args.batch, n_seq))])
+               for i in range(0, n_seq, args.batch)]
+    batches = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}
+               for b in batches]
+    tokens = n_seq * seq
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache_dir = out / "cache"
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    settings = CacheSettings(dir=str(cache_dir), top_k=args.top_k, dtype=args.dtype,
+                             shard_size=max(args.batch, 16), batch_size=args.batch)
+    job = CacheJob(settings, {"train": data}, collate, teacher_name="random-llama3-8b-shape",
+                   tokenizer=FakeTokenizer(vocab), max_length=seq)
+    predictor = job.predictor(model)
+
+    rows = {}
+    with torch.no_grad():
+        rows["base forward"] = timed(lambda b: final_hidden_states(
+            model, b["input_ids"], b["attention_mask"]), batches, device)
+        rows["HF forward"] = timed(lambda b: model(input_ids=b["input_ids"],
+                                                   attention_mask=b["attention_mask"]).logits,
+                                   batches, device)
+        rows["top-k step"] = timed(lambda b: predictor.predict_step(b), batches, device)
+    trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        use_distributed_sampler=False, callbacks=[job.writer])
+    summary = job.run(trainer, model)
+    rows["cache job"] = summary["wall_s"]
+
+    base = rows["base forward"]
+    table = [{"row": name, "seconds": s, "tokens_per_s": tokens / s,
+              "vs_base_forward": s / base - 1} for name, s in rows.items()]
+    result = {
+        "teacher": {**shape, **({"num_hidden_layers": args.layers} if args.layers else {})},
+        "dtype": str(dtype), "seq": seq, "sequences": n_seq, "batch": args.batch,
+        "top_k": args.top_k, "value_dtype": args.dtype, "tokens": tokens,
+        "device": (torch.cuda.get_device_name() if device.type == "cuda"
+                   else f"cpu ({platform.machine()})"),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "lightning": L.__version__, "datasets": datasets.__version__},
+        "rows": table,
+        "overhead_vs_base_forward": rows["cache job"] / base - 1,
+        "overhead_vs_hf_forward": rows["cache job"] / rows["HF forward"] - 1,
+        "bytes_per_token": summary["bytes_per_token"],
+        "peak_gpu_gib": (torch.cuda.max_memory_allocated() / 2**30
+                         if device.type == "cuda" else None),
+    }
+    (out / "bench_cache.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nteacher {result['teacher']['num_hidden_layers']} layers, vocab {vocab}, "
+          f"{n_seq} x {seq} tokens, batch {args.batch}, K={args.top_k}, on {result['device']}")
+    print(f"{'':<14}{'tokens/s':>12}{'vs base':>10}")
+    for r in table:
+        print(f"{r['row']:<14}{r['tokens_per_s']:>12.0f}{100 * r['vs_base_forward']:>+9.1f}%")
+    print(f"top-k + writing add {100 * result['overhead_vs_base_forward']:.1f}% to the base "
+          f"forward ({100 * result['overhead_vs_hf_forward']:+.1f}% vs the HF forward); "
+          f"{result['bytes_per_token']:.1f} bytes per token; JSON in {out / 'bench_cache.json'}")
+
+
+if __name__ == "__main__":
+    main()
