@@ -310,15 +310,17 @@ def plot(results, path, gpu):
         print("matplotlib missing: no plot")
         return
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 5))
-    for name in dict.fromkeys(r["name"] for r in results):
+    colors = plt.get_cmap("tab20").colors
+    for i, name in enumerate(dict.fromkeys(r["name"] for r in results)):
         rows = [r for r in results if r["name"] == name and "ms" in r]
         if not rows:
             continue
-        style = "-" if "distill" in name else ("--" if "floor" in name else ":")
+        kw = dict(marker="o", label=name, color=colors[i % len(colors)],
+                  linestyle="-" if "distill" in name else ("--" if "floor" in name else ":"))
         bts = [r["bt"] for r in rows]
-        ax_t.plot(bts, [r["ms"] for r in rows], style, marker="o", label=name)
+        ax_t.plot(bts, [r["ms"] for r in rows], **kw)
         if "floor" not in name:
-            ax_m.plot(bts, [r["mib"] / 1024 for r in rows], style, marker="o", label=name)
+            ax_m.plot(bts, [r["mib"] / 1024 for r in rows], **kw)
     for ax, ylabel in ((ax_t, "forward+backward, median ms"), (ax_m, "peak extra GiB")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -123,8 +123,9 @@ def test_gpu_huge_logits(kind):
     got, ref = run_both(x, linear_divergence, kind=kind)
     assert torch.isfinite(got[0]) and got[0] > (0.5 if kind == "jsd" else 100)  # JSD <= ln 2
     torch.testing.assert_close(got[0].double(), ref[0], rtol=1e-4, atol=0)
-    for name, g in got[1].items():
-        assert torch.isfinite(g).all() and _rel(g, ref[1][name]) < 1e-2, name
+    for name, g in got[1].items():  # saturated JSD has gradients ~1e-169: absolute floor
+        err = (g.double() - ref[1][name]).abs().max().item()
+        assert torch.isfinite(g).all() and err <= 1e-2 * ref[1][name].abs().max() + 1e-12, name
 
 
 @pytest.mark.gpu
