@@ -20,11 +20,16 @@ asks for <= 20%. Writes <out>/bench_cache.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import shutil
+import sys
 import time
 from pathlib import Path
+
+if importlib.util.find_spec("distill") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout, not installed
 
 import datasets
 import lightning as L

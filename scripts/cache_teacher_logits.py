@@ -5,6 +5,13 @@ stores the top-k log-probs of every trained position (docs/cache.md). Rerunning 
 finishes an interrupted cache; training then reads it with teacher=cached.
 """
 
+import importlib.util
+import sys
+from pathlib import Path
+
+if importlib.util.find_spec("distill") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout, not installed
+
 import hydra
 from omegaconf import DictConfig
 
