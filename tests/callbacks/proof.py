@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from distill.callbacks import StepTokenCounter
 from distill.losses.reference import reference_per_token_loss
+from distill.losses.spec import DivergenceSpec
 from distill.models import final_hidden_states, lm_head, load_causal_lm
 from distill.module import DistillModule
 from distill.teachers import LiveTeacher
@@ -86,6 +87,12 @@ def models(assets_dir: str):
     return student, teacher
 
 
+@functools.lru_cache(maxsize=2)
+def float64_models(assets_dir: str):
+    student, teacher = models(assets_dir)
+    return student, copy.deepcopy(student).double(), copy.deepcopy(teacher.model).double()
+
+
 def make_module(assets_dir: str, policy: str, lr: float = 0.0) -> DistillModule:
     student, teacher = models(assets_dir)
     student = copy.deepcopy(student)
@@ -147,9 +154,7 @@ def policy_weights(policy: str, valid, real, micro_batch, n_micro: int) -> torch
 def reference_grads(assets_dir: str, step: list[dict], policies) -> dict[str, dict]:
     """{policy: {param: grad}} of the step's loss, computed in one float64 pass over all
     of the step's micro-batches (padded into one batch)."""
-    student, teacher = models(assets_dir)
-    s = copy.deepcopy(student).double()
-    t = copy.deepcopy(teacher.model).double()
+    student, s, t = float64_models(assets_dir)
     width = max(b["input_ids"].shape[1] for b in step)
 
     def pad(x, value):
@@ -166,9 +171,8 @@ def reference_grads(assets_dir: str, step: list[dict], policies) -> dict[str, di
     zs = hs @ lm_head(s)[0][:v].T  # (rows, T-1, V)
     zt = ht @ lm_head(t)[0][:v].T
     target = labels[:, 1:]
-    module = make_module(assets_dir, "valid_tokens")
     per_token = reference_per_token_loss(zs.flatten(0, 1), zt.flatten(0, 1),
-                                         labels=target.flatten(), spec=module.loss_fn.spec)
+                                         labels=target.flatten(), spec=DivergenceSpec(**LOSS))
     valid = (target != -100) & attn[:, 1:].bool()
     real = attn[:, 1:].bool() & attn[:, :-1].bool()
     params = dict(s.named_parameters())
