@@ -122,6 +122,7 @@ class CacheJob:
         t0 = time.perf_counter()
         with warnings.catch_warnings():  # our batches are whole items: no sampler indices
             warnings.filterwarnings("ignore", "Couldn't infer the batch indices")
+            warnings.filterwarnings("ignore", ".*DataLoader` across ranks is zero")  # all done
             trainer.predict(self.predictor(model), datamodule=self.data,
                             return_predictions=False)
         w = self.writer
