@@ -55,10 +55,8 @@ class DistillModule(L.LightningModule):
         hidden = final_hidden_states(self.student, batch["input_ids"],
                                      batch.get("attention_mask"), batch.get("position_ids"))
         weight, head = lm_head(self.student)
-        # position t predicts token t + 1: its label is labels[:, t + 1], the same position
-        # that batch_masks counts as valid (labels[:, :-1] would score the current token)
-        labels = batch["labels"][:, 1:].reshape(-1)
-        return self.loss_fn(shift_flat(hidden), weight, labels=labels,
+        # position t predicts token t + 1 (the positions batch_masks weighs)
+        return self.loss_fn(shift_flat(hidden), weight, labels=shift_labels(batch["labels"]),
                             weights=weights, student_head=head, vocab_size=self.vocab_size,
                             return_components=True, **self.teacher.targets(batch))
 
