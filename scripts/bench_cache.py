@@ -10,6 +10,8 @@ sequences (every position trained, the worst case for the cache). Rows, in token
   HF forward        model(input_ids).logits: the decoder and the full bf16 logits
   top-k step        TopKPredictor.predict_step: decoder + chunked fp32 logits + top-k,
                     results copied to the host (no writing)
+  top-k only        topk_logprobs alone on stored hidden states (LM-head GEMM, logsumexp,
+                    topk): the part of the overhead that is compute
   cache job         CacheJob.run through trainer.predict: all of the above plus Arrow
                     shards written to disk and sealed (what a user runs)
 
@@ -38,6 +40,7 @@ import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from distill.cache import CacheJob, CacheSettings
+from distill.cache.topk import topk_logprobs
 from distill.data import PadCollator
 from distill.models import final_hidden_states
 
@@ -93,46 +96,39 @@ def timed(fn, batches, device, warmup: int = 2) -> float:
     return time.perf_counter() - t0
 
 
-def main():
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench_out/cache")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (a smoke test)")
     p.add_argument("--layers", type=int, default=None, help="fewer decoder layers")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (4096)")
-    p.add_argument("--sequences", type=int, default=None, help="sequences timed (48)")
+    p.add_argument("--sequences", type=int, default=None, help="sequences timed (96)")
     p.add_argument("--batch", type=int, default=2, help="sequences per batch")
     p.add_argument("--top-k", type=int, default=64)
     p.add_argument("--dtype", default="float16", help="of the stored log-probs")
-    args = p.parse_args()
+    return p.parse_args()
 
-    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    if device.type == "cpu" and not args.tiny:
-        raise SystemExit("no CUDA device: run with --tiny for the CPU smoke test")
+
+def measure(args, device, out: Path) -> dict:
+    """Seconds of each row over the same sequences, and the cache job's summary."""
     shape = TINY if args.tiny else LLAMA3_8B
-    seq = args.seq or (128 if args.tiny else 4096)
-    n_seq = args.sequences or (8 if args.tiny else 48)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     torch.manual_seed(0)
     model = build_model(shape, args.layers, dtype, device)
     vocab = model.config.vocab_size
-    data = random_data(n_seq, seq, vocab)
+    data = random_data(args.sequences, args.seq, vocab)
     collate = PadCollator(pad_token_id=0)
-    batches = [collate([data[j] for j in range(i, min(i + args.batch, n_seq))])
-               for i in range(0, n_seq, args.batch)]
+    batches = [collate([data[j] for j in range(i, min(i + args.batch, len(data)))])
+               for i in range(0, len(data), args.batch)]
     batches = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}
                for b in batches]
-    tokens = n_seq * seq
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     cache_dir = out / "cache"
     shutil.rmtree(cache_dir, ignore_errors=True)
     settings = CacheSettings(dir=str(cache_dir), top_k=args.top_k, dtype=args.dtype,
                              shard_size=max(args.batch, 16), batch_size=args.batch)
     job = CacheJob(settings, {"train": data}, collate, teacher_name="random-llama3-8b-shape",
-                   tokenizer=FakeTokenizer(vocab), max_length=seq)
+                   tokenizer=FakeTokenizer(vocab), max_length=args.seq)
     predictor = job.predictor(model)
-
     rows = {}
     with torch.no_grad():
         rows["base forward"] = timed(lambda b: final_hidden_states(
@@ -141,19 +137,31 @@ def main():
                                                    attention_mask=b["attention_mask"]).logits,
                                    batches, device)
         rows["top-k step"] = timed(lambda b: predictor.predict_step(b), batches, device)
+        # the top-k alone (GEMM + logsumexp + topk) on stored hidden states: the breakdown
+        hidden = [final_hidden_states(model, b["input_ids"], b["attention_mask"])
+                  .flatten(0, 1) for b in batches]
+        weight = model.get_output_embeddings().weight
+        rows["top-k only"] = timed(lambda h: topk_logprobs(h, weight, args.top_k), hidden,
+                                   device)
+        del hidden
     trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         use_distributed_sampler=False, callbacks=[job.writer])
     summary = job.run(trainer, model)
-    rows["cache job"] = summary["wall_s"]
+    rows["cache job"] = summary["wall_s"]  # includes predict setup and the seal
+    teacher = {**shape, **({"num_hidden_layers": args.layers} if args.layers else {})}
+    return {"rows": rows, "summary": summary, "teacher": teacher, "dtype": str(dtype)}
 
+
+def report(args, device, m: dict, out: Path) -> None:
+    rows, tokens = m["rows"], args.sequences * args.seq
     base = rows["base forward"]
     table = [{"row": name, "seconds": s, "tokens_per_s": tokens / s,
-              "vs_base_forward": s / base - 1} for name, s in rows.items()]
+              "time_vs_base_forward": s / base} for name, s in rows.items()]
     result = {
-        "teacher": {**shape, **({"num_hidden_layers": args.layers} if args.layers else {})},
-        "dtype": str(dtype), "seq": seq, "sequences": n_seq, "batch": args.batch,
-        "top_k": args.top_k, "value_dtype": args.dtype, "tokens": tokens,
+        "teacher": m["teacher"], "dtype": m["dtype"], "seq": args.seq,
+        "sequences": args.sequences, "batch": args.batch, "top_k": args.top_k,
+        "value_dtype": args.dtype, "tokens": tokens,
         "device": (torch.cuda.get_device_name() if device.type == "cuda"
                    else f"cpu ({platform.machine()})"),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -161,19 +169,33 @@ def main():
         "rows": table,
         "overhead_vs_base_forward": rows["cache job"] / base - 1,
         "overhead_vs_hf_forward": rows["cache job"] / rows["HF forward"] - 1,
-        "bytes_per_token": summary["bytes_per_token"],
+        "bytes_per_token": m["summary"]["bytes_per_token"],
         "peak_gpu_gib": (torch.cuda.max_memory_allocated() / 2**30
                          if device.type == "cuda" else None),
+        "command": "python " + " ".join(sys.argv),
     }
     (out / "bench_cache.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nteacher {result['teacher']['num_hidden_layers']} layers, vocab {vocab}, "
-          f"{n_seq} x {seq} tokens, batch {args.batch}, K={args.top_k}, on {result['device']}")
-    print(f"{'':<14}{'tokens/s':>12}{'vs base':>10}")
+    print(f"\nteacher {m['teacher']['num_hidden_layers']} layers, vocab "
+          f"{m['teacher']['vocab_size']}, {args.sequences} x {args.seq} tokens, batch "
+          f"{args.batch}, K={args.top_k}, on {result['device']}")
+    print(f"{'':<14}{'tokens/s':>12}{'time / base':>13}")
     for r in table:
-        print(f"{r['row']:<14}{r['tokens_per_s']:>12.0f}{100 * r['vs_base_forward']:>+9.1f}%")
+        print(f"{r['row']:<14}{r['tokens_per_s']:>12.0f}{r['time_vs_base_forward']:>13.3f}")
     print(f"top-k + writing add {100 * result['overhead_vs_base_forward']:.1f}% to the base "
           f"forward ({100 * result['overhead_vs_hf_forward']:+.1f}% vs the HF forward); "
           f"{result['bytes_per_token']:.1f} bytes per token; JSON in {out / 'bench_cache.json'}")
+
+
+def main():
+    args = parse_args()
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not args.tiny:
+        raise SystemExit("no CUDA device: run with --tiny for the CPU smoke test")
+    args.seq = args.seq or (128 if args.tiny else 4096)
+    args.sequences = args.sequences or (8 if args.tiny else 96)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report(args, device, measure(args, device, out), out)
 
 
 if __name__ == "__main__":
