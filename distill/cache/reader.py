@@ -57,6 +57,9 @@ class TeacherCache:
                 for row, (eid, th) in enumerate(zip(ids, hashes)):
                     self.index[eid] = (split, shard, row, th)
 
+    def __getstate__(self):  # spawned workers / ranks map the shards again themselves
+        return {**self.__dict__, "_tables": OrderedDict()}
+
     def _table(self, split: str, shard: int) -> pa.Table:
         key = (split, shard)
         if key in self._tables:
