@@ -20,7 +20,7 @@ from distill.cache.format import SCHEMA, publish, shard_path, tmp_path
 from distill.cache.topk import topk_logprobs
 from distill.losses.spec import HeadTransform
 from distill.models import final_hidden_states, lm_head
-from distill.teachers import shift_flat
+from distill.teachers import shift_flat, shift_labels
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -39,8 +39,7 @@ class TopKPredictor(L.LightningModule):
         weight, head = lm_head(self.model)
         if head.bias is not None:
             head = HeadTransform(head.bias[: self.vocab], head.scale, head.softcap)
-        # position t predicts token t + 1: trained when labels[t + 1] is (HF-aligned labels)
-        rows = (batch["labels"][:, 1:].reshape(-1) != -100).nonzero().squeeze(-1)
+        rows = (shift_labels(batch["labels"]) != -100).nonzero().squeeze(-1)  # trained only
         ids, logprobs = topk_logprobs(shift_flat(hidden)[rows], weight[: self.vocab],
                                       self.top_k, self.temperature, head, self.chunk)
         return {"rows": rows.cpu(), "ids": ids.cpu(),
