@@ -123,9 +123,14 @@ def test_gpu_huge_logits(kind):
     got, ref = run_both(x, linear_divergence, kind=kind)
     assert torch.isfinite(got[0]) and got[0] > (0.5 if kind == "jsd" else 100)  # JSD <= ln 2
     torch.testing.assert_close(got[0].double(), ref[0], rtol=1e-4, atol=0)
-    for name, g in got[1].items():  # saturated JSD has gradients ~1e-169: absolute floor
+    # Saturated JSD has true gradients ~1e-169, while fp32 rounding of d logits (entries of
+    # size ~1, error ~eps) reaches the inputs through the other factor of each GEMM
+    # (weights ~1e4 / sqrt(H)): the floor is eps * the L2 norm of that factor's columns.
+    other = {"student_hidden": x["student_weight"], "student_weight": x["student_hidden"]}
+    for name, g in got[1].items():
+        floor = 8 * torch.finfo(torch.float32).eps * other[name].double().norm(dim=0).max()
         err = (g.double() - ref[1][name]).abs().max().item()
-        assert torch.isfinite(g).all() and err <= 1e-2 * ref[1][name].abs().max() + 1e-12, name
+        assert torch.isfinite(g).all() and err <= 1e-2 * ref[1][name].abs().max() + floor, name
 
 
 @pytest.mark.gpu
