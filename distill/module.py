@@ -46,8 +46,10 @@ class DistillModule(L.LightningModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.vocab_size = vocab_size
         self.step_counts: StepCounts | None = None  # set by StepTokenCounter
-        self._window = torch.zeros(3)  # loss, divergence, ce summed over the step
-        self._val = torch.zeros(4)  # divergence, ce, teacher ce, tokens
+        # sums kept on the device (no host sync per micro-batch): loss, divergence, ce over
+        # the step; divergence, ce, teacher ce, tokens over the validation set
+        self._window: torch.Tensor | None = None
+        self._val: torch.Tensor | None = None
         self._teacher_val_ce: float | None = None
 
     # --- the loss -----------------------------------------------------------------
@@ -87,17 +89,20 @@ class DistillModule(L.LightningModule):
         step = self._step_counts(masks)
         weights = token_weights(self.policy, masks, step).flatten()
         loss, parts = self._divergence(batch, weights)
-        self._window += torch.stack([loss.detach(), parts["divergence"], parts["ce"]]).cpu()
+        window = torch.stack([loss.detach(), parts["divergence"], parts["ce"]])
+        self._window = window if self._window is None else self._window + window
         return loss * (step.accumulate * step.world_size)
 
     def on_before_optimizer_step(self, optimizer):
         # the true step loss: sum over this rank's micro-batches, summed over the ranks
+        if self._window is None:
+            return
         loss, div, ce = self._window.tolist()
         opts = dict(on_step=True, on_epoch=False, sync_dist=True, reduce_fx="sum")
         self.log("train/loss", loss, prog_bar=True, **opts)
         self.log("train/kl", div, **opts)
         self.log("train/ce", ce, **opts)
-        self._window.zero_()
+        self._window = None
         if self.step_counts is not None:
             s = self.step_counts
             self.log("train/step_valid_tokens", float(s.valid), on_step=True, on_epoch=False)
@@ -110,16 +115,18 @@ class DistillModule(L.LightningModule):
         masks = batch_masks(batch, self.loss_fn.spec.ignore_index)
         valid = masks.valid.flatten().float()
         _, parts = self._divergence(batch, valid)  # sums over the batch's valid tokens
-        teacher_ce = torch.zeros(())
+        teacher_ce = torch.zeros((), device=valid.device)
         if self._teacher_val_ce is None and hasattr(self.teacher, "cross_entropy_sum"):
-            teacher_ce = self.teacher.cross_entropy_sum(batch, valid, self.vocab_size).cpu()
-        self._val += torch.stack([parts["divergence"].cpu(), parts["ce"].cpu(), teacher_ce,
-                                  valid.sum().cpu()])
+            teacher_ce = self.teacher.cross_entropy_sum(batch, valid, self.vocab_size)
+        sums = torch.stack([parts["divergence"], parts["ce"], teacher_ce, valid.sum()])
+        self._val = sums if self._val is None else self._val + sums
 
     def on_validation_epoch_end(self):
-        totals = self.trainer.strategy.reduce(self._val.to(self.device), reduce_op="sum")
+        if self._val is None:
+            return
+        totals = self.trainer.strategy.reduce(self._val, reduce_op="sum")
         div, ce, t_ce, n = totals.tolist()
-        self._val.zero_()
+        self._val = None
         if n == 0:
             return
         self.log("val/loss", (div + self.loss_fn.spec.ce_weight * ce) / n, prog_bar=True)
