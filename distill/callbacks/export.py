@@ -14,8 +14,13 @@ class ExportStudent(L.Callback):
         self.saved_to: Path | None = None
 
     def on_train_end(self, trainer, pl_module):
+        # Every rank takes part: under FSDP this gathers the sharded parameters into a full
+        # state dict (on rank 0); under DDP or one device it is the module's own.
+        state = trainer.strategy.lightning_module_state_dict()
         if trainer.is_global_zero:
-            pl_module.student.save_pretrained(self.dirpath)
+            student = {k.removeprefix("student."): v for k, v in state.items()
+                       if k.startswith("student.")}
+            pl_module.student.save_pretrained(self.dirpath, state_dict=student)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(self.dirpath)
         self.saved_to = self.dirpath
