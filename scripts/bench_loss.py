@@ -116,17 +116,9 @@ def measure(fn, leaves, reps):
     torch.cuda.synchronize()
     grads = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
     peak = (torch.cuda.max_memory_allocated() - base - grads) / (1 << 20)
-    times = []
-    for _ in range(reps):
-        clear()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    median = _time(fn, reps, before=clear, warm=False)
     clear()
-    return statistics.median(times), peak
+    return median, peak
 
 
 def skip_reason(name, bt, args):
@@ -252,11 +244,15 @@ def tune(candidates=((2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16))):
     return found
 
 
-def _time(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
+def _time(fn, reps=10, before=None, warm=True):
+    """Median ms of `fn` over `reps` runs, CUDA events; `before` runs untimed each time."""
+    if warm:
+        fn()
+        torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
