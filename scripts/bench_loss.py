@@ -213,6 +213,20 @@ def breakdown(bt):
     return out
 
 
+def profile(bt):
+    """Kernel-by-kernel CUDA time of one forward + backward of distill live forward_kl."""
+    x = make_inputs(bt)
+    fn, _ = methods(x, None)["distill live forward_kl"]
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return f"BT={bt}\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+
+
 def _kernel_call(zs, zt, cached, kind):
     from distill.losses.spec import DivergenceSpec
     from distill.ops import divergence_triton
@@ -353,6 +367,8 @@ def main():
                    help="eager / compile build the full logits: skip them above this BT")
     p.add_argument("--breakdown", action="store_true", help="time GEMMs and kernels apart")
     p.add_argument("--tune", action="store_true", help="pick the row kernels' block sizes first")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler table of one distill live forward_kl step per BT")
     args = p.parse_args()
     env = environment()
     if args.tune:
@@ -361,6 +377,10 @@ def main():
 
     env["kernel_config"] = {k: list(v) for k, v in divergence_triton.CONFIG.items()}
     print(json.dumps(env))
+    if args.profile:
+        for bt in args.bt:
+            print(profile(bt))
+        return
     if args.breakdown:
         for bt in args.bt:
             res = breakdown(bt)
