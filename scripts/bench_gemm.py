@@ -24,10 +24,10 @@ H, V = 4096, 128256
 CONFIGS = [  # BM, BN, BK, warps, stages
     (128, 256, 64, 8, 3),
     (128, 256, 64, 8, 4),
-    (128, 128, 64, 8, 4),
     (128, 128, 64, 4, 4),
     (256, 128, 64, 8, 3),
 ]
+VARIANTS = {"stats": {}, "stats+untempered": dict(untempered=True), "stats+cross": "cross"}
 
 
 def _time(fn, reps):
@@ -68,34 +68,31 @@ def run(c, reps):
     rec("cublas bf16 out", _time(lambda: torch.mm(a, b.T), reps))
     rec("cublas fp32 out", _time(lambda: torch.mm(a, b.T, out_dtype=torch.float32, out=z), reps))
     ref = z.clone()
+    zt = torch.randn(c, V, device="cuda") * 3
     inv_t = 0.5
     for cfg in CONFIGS:
-        for pers in (False, True):
-            for nsets in (0, 1, 2):
-                name = f"triton {cfg} {'persistent' if pers else 'grid'} stats={nsets}"
-                try:
-                    def fn(cfg=cfg, pers=pers, nsets=nsets):
-                        return logits_and_stats(a, b, z, inv_t=inv_t, nsets=nsets, config=cfg,
-                                                persistent=pers)
-                    z.fill_(float("nan"))
-                    st = fn()
-                    err = ((z - ref).norm() / ref.norm()).item()
-                    if nsets:
-                        m, s = _ref_stats(ref, inv_t, cfg[1])
-                        err = max(err, (st[0, 0] - m).abs().max().item(),
-                                  ((st[0, 1] - s) / s).abs().max().item())
-                    ms = _time(fn, reps)
-                    rec(name, ms)
-                    rows[name]["err"] = err
-                except Exception as exc:  # noqa: BLE001 - a config that does not compile
-                    rows[name] = dict(error=repr(exc)[:300])
-                    print(f"C={c} {name:55s} FAILED {repr(exc)[:200]}", flush=True)
+        for vname, extra in VARIANTS.items():
+            name = f"triton {cfg} {vname}"
+            kw = dict(cross=zt) if extra == "cross" else extra
+            try:
+                def fn(cfg=cfg, kw=kw):
+                    return logits_and_stats(a, b, z, inv_t=inv_t, config=cfg, **kw)
+                z.fill_(float("nan"))
+                st = fn()
+                m, s = _ref_stats(ref, inv_t, cfg[1])
+                err = max(((z - ref).norm() / ref.norm()).item(),
+                          (st[0] - m).abs().max().item(), ((st[1] - s) / s).abs().max().item())
+                rec(name, _time(fn, reps))
+                rows[name]["err"] = err
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile
+                rows[name] = dict(error=repr(exc)[:300])
+                print(f"C={c} {name:55s} FAILED {repr(exc)[:200]}", flush=True)
     return rows
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--c", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--c", type=int, nargs="+", default=[512, 1024])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", type=Path, default=Path("bench_out/gemm"))
     args = p.parse_args()

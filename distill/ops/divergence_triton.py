@@ -37,6 +37,37 @@ def _online(m, s, x):
 
 
 @triton.jit
+def _merge_tiles(st_ptr, plane, NT, BLOCK_T: tl.constexpr):
+    """(max, sum of exp) of a row from its tiles' (max, sum) planes; see logits_gemm."""
+    offs = tl.arange(0, BLOCK_T)
+    m_run = tl.zeros((), tl.float32) + float("-inf")
+    s_run = tl.zeros((), tl.float32)
+    for i in range(0, tl.cdiv(NT, BLOCK_T)):
+        idx = i * BLOCK_T + offs
+        mask = idx < NT
+        m = tl.load(st_ptr + idx, mask=mask, other=float("-inf"))
+        s = tl.load(st_ptr + plane + idx, mask=mask, other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        s_run = s_run * tl.exp(m_run - m_new) + tl.sum(s * tl.exp(m - m_new), 0)
+        m_run = m_new
+    return m_run, s_run
+
+
+@triton.jit
+def _merge_cross(st_ptr, x_ptr, NT, m_row, BLOCK_T: tl.constexpr):
+    """sum over tiles of x_t exp(m_t - m_row): a row's sum_j exp(a_j - m_row) (a_j - b_j)."""
+    offs = tl.arange(0, BLOCK_T)
+    acc = tl.zeros((), tl.float32)
+    for i in range(0, tl.cdiv(NT, BLOCK_T)):
+        idx = i * BLOCK_T + offs
+        mask = idx < NT
+        m = tl.load(st_ptr + idx, mask=mask, other=float("-inf"))
+        x = tl.load(x_ptr + idx, mask=mask, other=0.0)
+        acc += tl.sum(tl.where(mask, x * tl.exp(m - m_row), 0.0), 0)
+    return acc
+
+
+@triton.jit
 def _logaddexp(x, y):
     hi = tl.maximum(x, y)
     return hi + tl.log(1.0 + tl.exp(tl.minimum(x, y) - hi))
@@ -51,11 +82,14 @@ def _live_fwd_kernel(
     ce_ptr,  # (C,) fp32 out: cross-entropy of the untempered student (if WRITE_CE)
     labels_ptr,  # (C,) int64 hard labels (if HAS_CE)
     scale_ptr,  # (C,) fp32 row scale of the gradient (if HAS_SCALE)
+    sts_ptr, NT, plane_s,  # (P, C, NT) tile stats of the student logits (if STATS)
+    stt_ptr, plane_t,  # and of the teacher's
     V, stride_s, stride_t, stride_d,
     inv_t, beta, ce_weight, factor,
     KIND: tl.constexpr, HAS_CE: tl.constexpr, CE_GRAD: tl.constexpr, CE_SEP: tl.constexpr,
     WRITE_CE: tl.constexpr, HAS_SCALE: tl.constexpr, NEED_GRAD: tl.constexpr,
-    ALIAS: tl.constexpr, BLOCK: tl.constexpr,
+    ALIAS: tl.constexpr, STATS: tl.constexpr, CROSS: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     zs_row = zs_ptr + row * stride_s
@@ -66,8 +100,17 @@ def _live_fwd_kernel(
     ninf = float("-inf")
     zero = tl.zeros((), tl.float32)
     ms, ss, mt, st, m1, s1, w_rkl = zero + ninf, zero, zero + ninf, zero, zero + ninf, zero, zero
+    if STATS:  # the GEMMs' epilogues did pass 1 per tile: merge the tiles
+        sts_row = sts_ptr + row * NT
+        ms, ss = _merge_tiles(sts_row, plane_s, NT, BLOCK_T)
+        mt, st = _merge_tiles(stt_ptr + row * NT, plane_t, NT, BLOCK_T)
+        if CE_SEP:
+            m1, s1 = _merge_tiles(sts_row + 2 * plane_s, plane_s, NT, BLOCK_T)
+        if CROSS:
+            w_rkl = _merge_cross(sts_row, sts_row + (4 if CE_SEP else 2) * plane_s, NT, ms,
+                                 BLOCK_T)
     # pass 1: normalizers of q = softmax(zs / T), p = softmax(zt / T) (and softmax(zs))
-    for i in range(0, nb):
+    for i in range(0, 0 if STATS else nb):
         idx = i * BLOCK + offs
         mask = idx < V
         zs = tl.load(zs_row + idx, mask=mask, other=ninf)
@@ -84,6 +127,13 @@ def _live_fwd_kernel(
         mt, st = _online(mt, st, a_t)
         if CE_SEP:
             m1, s1 = _online(m1, s1, zs)
+    if STATS and KIND == 1 and not CROSS:
+        for i in range(0, nb):  # <q, log q - log p>, the normalizers known
+            idx = i * BLOCK + offs
+            mask = idx < V
+            a_s = tl.load(zs_row + idx, mask=mask, other=ninf) * inv_t
+            a_t = tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t
+            w_rkl += tl.sum(tl.where(mask, tl.exp(a_s - ms) * (a_s - a_t), 0.0), 0)
     ls = ms + tl.log(ss)
     lt = mt + tl.log(st)
     l1 = ls
@@ -162,11 +212,13 @@ def _sparse_fwd_kernel(
     ce_ptr,  # (C,) fp32 out: cross-entropy of the untempered student (if WRITE_CE)
     labels_ptr,  # (C,) int64 hard labels (if HAS_CE)
     scale_ptr,  # (C,) fp32 row scale of the gradient (if HAS_SCALE)
+    sts_ptr, NT, plane_s,  # (P, C, NT) tile stats of the student logits (if STATS)
     V, K, stride_s, stride_d, stride_i, stride_l,
     inv_t, beta, ce_weight, factor, tail_floor,
     KIND: tl.constexpr, RENORM: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_CE: tl.constexpr,
     CE_GRAD: tl.constexpr, CE_SEP: tl.constexpr, WRITE_CE: tl.constexpr, HAS_SCALE: tl.constexpr,
-    NEED_GRAD: tl.constexpr, ALIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+    NEED_GRAD: tl.constexpr, ALIAS: tl.constexpr, STATS: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     zs_row = zs_ptr + row * stride_s
@@ -176,7 +228,11 @@ def _sparse_fwd_kernel(
     ninf = float("-inf")
     zero = tl.zeros((), tl.float32)
     ms, ss, m1, s1 = zero + ninf, zero, zero + ninf, zero
-    for i in range(0, nb):  # pass 1: normalizers of softmax(zs / T) (and of softmax(zs))
+    if STATS:  # pass 1 was done per tile by the GEMM's epilogue
+        ms, ss = _merge_tiles(sts_ptr + row * NT, plane_s, NT, BLOCK_T)
+        if CE_SEP:
+            m1, s1 = _merge_tiles(sts_ptr + row * NT + 2 * plane_s, plane_s, NT, BLOCK_T)
+    for i in range(0, 0 if STATS else nb):  # pass 1: normalizers of softmax(zs / T) (& zs)
         idx = i * BLOCK + offs
         zs = tl.load(zs_row + idx, mask=idx < V, other=ninf)
         ms, ss = _online(ms, ss, zs * inv_t)
@@ -278,15 +334,24 @@ def _grad_out(zs: torch.Tensor, dtype: torch.dtype, backwards: bool) -> torch.Te
     return halves[:, v:] if backwards else halves[:, :v]
 
 
+def untempered_stats(spec: DivergenceSpec, labels, ce_out) -> bool:
+    """Whether the row math needs the untempered student's softmax too (the CE at T != 1)."""
+    return labels is not None and (bool(spec.ce_weight) or ce_out is not None) and (
+        spec.temperature != 1.0)
+
+
 def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: DivergenceSpec,
-                       need_grad, *, row_scale=None, grad_dtype=torch.float32, ce_out=None):
+                       need_grad, *, row_scale=None, grad_dtype=torch.float32, ce_out=None,
+                       stats=None, grad_out=None):
     """Loss (C,) and d loss / d zs (C, V), as `divergence_torch.rows_loss_and_grad`.
 
     zs: (C, V) fp32 student logits, CONSUMED: the gradient is written over its memory
     (see `_grad_out`). zt: (C, V) fp32 teacher logits, or target_ids / target_logprobs
     (C, K). `row_scale` (C,) multiplies each gradient row (the token weights);
     `grad_dtype` is the gradient's dtype; `ce_out` (C,) fp32 receives each row's
-    cross-entropy when given.
+    cross-entropy when given. `stats`: (student, teacher) tile statistics from
+    `logits_gemm.logits_and_stats` (teacher None when cached), which replace the first pass.
+    `grad_out`: a (C, V) tensor to write the gradient into instead of over zs.
     """
     c, v = zs.shape
     if zs.dtype != torch.float32 or zs.stride(1) != 1:
@@ -295,7 +360,10 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
     live = zt is not None
     kind = _KIND[spec.kind]
     backwards = not (live and kind == 2)
-    dz = _grad_out(zs, grad_dtype, backwards) if need_grad else zs
+    if grad_out is not None:
+        dz = grad_out
+    else:
+        dz = _grad_out(zs, grad_dtype, backwards) if need_grad else zs
     if c == 0:
         return loss, dz if need_grad else None
     # labels come with ce_weight > 0, or to report the cross-entropy alone (ce_out)
@@ -303,8 +371,16 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
     flags = dict(
         HAS_CE=has_ce, CE_GRAD=has_ce and bool(spec.ce_weight) and need_grad,
         CE_SEP=has_ce and spec.temperature != 1.0, WRITE_CE=has_ce and ce_out is not None,
-        HAS_SCALE=row_scale is not None, NEED_GRAD=need_grad, ALIAS=dz.dtype != zs.dtype,
+        HAS_SCALE=row_scale is not None, NEED_GRAD=need_grad,
+        ALIAS=grad_out is None and dz.dtype != zs.dtype, STATS=stats is not None,
     )
+    st_s, st_t = stats if stats is not None else (loss, None)
+    nt = st_s.shape[-1] if stats is not None else 1
+    planes = 2 + 2 * flags["CE_SEP"]  # tempered (max, sum), untempered (max, sum)
+    if stats is not None and st_s.shape[0] < planes:
+        raise ValueError("the student's tile stats lack the untempered planes the CE needs")
+    tiles = (st_s, nt, st_s[0].numel() if stats is not None else 0)
+    block_t = min(1024, triton.next_power_of_2(nt))
     ptrs = (loss, ce_out if ce_out is not None else loss,
             labels if labels is not None else loss,
             row_scale.float() if row_scale is not None else loss)
@@ -312,9 +388,13 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
                spec.divergence_factor)
     if live:
         block, warps = CONFIG["live"]
+        st_t = st_t if st_t is not None else loss
+        cross = stats is not None and kind == 1 and st_s.shape[0] > planes
         _live_fwd_kernel[(c,)](
-            zs, zt, dz, *ptrs, v, zs.stride(0), zt.stride(0), dz.stride(0), *scalars,
-            KIND=kind, BLOCK=min(block, triton.next_power_of_2(v)), num_warps=warps, **flags,
+            zs, zt, dz, *ptrs, *tiles, st_t, st_t[0].numel() if stats else 0,
+            v, zs.stride(0), zt.stride(0), dz.stride(0), *scalars,
+            KIND=kind, BLOCK=min(block, triton.next_power_of_2(v)), num_warps=warps,
+            CROSS=cross, BLOCK_T=block_t, **flags,
         )
     else:
         k = target_ids.shape[1]
@@ -323,10 +403,11 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
                              f"{MAX_K} in registers")
         block, warps = CONFIG["sparse"]
         _sparse_fwd_kernel[(c,)](
-            zs, dz, target_ids, target_logprobs, *ptrs, v, k, zs.stride(0), dz.stride(0),
+            zs, dz, target_ids, target_logprobs, *ptrs, *tiles, v, k, zs.stride(0),
+            dz.stride(0),
             target_ids.stride(0), target_logprobs.stride(0), *scalars, TAIL_FLOOR,
             KIND=kind, RENORM=spec.sparse_mode == "renormalize", HAS_TAIL=k < v,
             BLOCK=min(block, triton.next_power_of_2(v)), BLOCK_K=triton.next_power_of_2(k),
-            num_warps=warps, **flags,
+            BLOCK_T=block_t, num_warps=warps, **flags,
         )
     return loss, dz if need_grad else None

@@ -20,6 +20,10 @@ from distill.ops.divergence_torch import rows_loss_and_grad as torch_rows
 # fp32 logits per chunk the op may hold (student + teacher), in bytes. The row kernel
 # writes the gradient over them, so this is (nearly) all the op's memory beyond the grads.
 CHUNK_BUDGET_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
+# With a live teacher, the gradients of FOLD_GROUP consecutive chunks go to one buffer and
+# meet the weight in one GEMM of K = FOLD_GROUP x chunk rows: fewer read-modify-writes of
+# the whole d weight (docs/notes/kernels.md). Cached chunks are larger already.
+FOLD_GROUP = {"live": 4, "cached": 1}
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -34,24 +38,36 @@ class Targets:
     logprobs: torch.Tensor | None = None  # (n, K)
 
 
-def pick_rows_fn(device: torch.device, backend: str = "auto"):
-    """The row kernel for a device: Triton on CUDA, PyTorch on CPU (or as asked)."""
+def resolve_backend(device: torch.device, backend: str = "auto") -> str:
+    """'triton' on CUDA, 'torch' on CPU, unless asked (or DISTILL_BACKEND says) otherwise."""
     backend = os.environ.get("DISTILL_BACKEND", backend)
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"unknown backend {backend!r}: use 'auto', 'torch' or 'triton'")
+    return backend
+
+
+def pick_rows_fn(backend: str):
+    """The row kernel of a backend: Triton, or the PyTorch math."""
     if backend == "torch":
         return torch_rows
-    if backend == "triton":
-        from distill.ops.divergence_triton import rows_loss_and_grad as triton_rows
+    from distill.ops.divergence_triton import rows_loss_and_grad as triton_rows
 
-        return triton_rows
-    raise ValueError(f"unknown backend {backend!r}: use 'auto', 'torch' or 'triton'")
+    return triton_rows
 
 
-def choose_chunk_size(n_rows: int, vocab: int, live: bool, device: torch.device) -> int:
-    """Rows per chunk: the fp32 logits of one chunk fill the budget, whatever N is."""
+def fold_group(live: bool) -> int:
+    """Chunks whose gradients are folded into d hidden / d weight together (Triton path)."""
+    return int(os.environ.get("DISTILL_FOLD_GROUP", FOLD_GROUP["live" if live else "cached"]))
+
+
+def choose_chunk_size(n_rows: int, vocab: int, live: bool, device: torch.device,
+                      group: int = 1, grad_bytes: int = 2) -> int:
+    """Rows per chunk: the chunk's fp32 logits (and, with group > 1, the group's gradient
+    buffer of group x chunk rows) fill the budget, whatever N is."""
     budget = CHUNK_BUDGET_BYTES["cuda" if device.type == "cuda" else "cpu"]
-    per_row = vocab * 4 * (2 if live else 1)
+    per_row = vocab * 4 * (2 if live else 1) + (vocab * grad_bytes * group if group > 1 else 0)
     chunk = max(1, budget // per_row)
     if chunk >= 256:
         chunk -= chunk % 128  # whole GEMM tiles
@@ -120,6 +136,22 @@ def _fold(dz, h, ws, grad_h, grad_w, first):
         grad_w.addmm_(dz.T.to(grad_w.dtype), h.to(grad_w.dtype))
 
 
+def _use_stats_gemm(backend, hs, ws, targets: Targets, student_head) -> bool:
+    """Whether the logits come from the Triton GEMM that also emits the softmax stats."""
+    if backend != "triton" or student_head is not None or targets.teacher_head is not None:
+        return False
+    if os.environ.get("DISTILL_STATS_GEMM", "1") == "0":
+        return False
+    from distill.ops import logits_gemm
+
+    pairs = [(hs, ws)]
+    if targets.teacher_hidden is not None:
+        pairs.append((targets.teacher_hidden, targets.teacher_weight))
+    # auto on CUDA: 16-bit operands (fp32 stays on cuBLAS); asked for: any, e.g. tests on CPU
+    fast = hs.dtype in _HALF or not hs.is_cuda
+    return fast and all(logits_gemm.supported(h, w) for h, w in pairs)
+
+
 def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, chunk_size,
                fp32_weight_grad, backend="auto", student_head=None, ce_sum=None):
     """Loss sum_i w_i loss_i over the given rows, and (grad_hidden, grad_weight, grad_bias).
@@ -128,54 +160,87 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
     divergence and the cross-entropy apart).
     """
     n, vocab = hs.shape[0], ws.shape[0]
-    rows_fn = pick_rows_fn(hs.device, backend)
+    backend = resolve_backend(hs.device, backend)
+    rows_fn = pick_rows_fn(backend)
     live = targets.teacher_hidden is not None
-    chunk = min(n, chunk_size or choose_chunk_size(n, vocab, live, hs.device))
     loss = torch.zeros((), dtype=torch.float32, device=hs.device)
     grad_h = grad_w = grad_b = None
     if need_grad:
         grad_h = torch.empty_like(hs)
         wdtype = torch.float32 if (fp32_weight_grad or not hs.is_cuda) else ws.dtype
-        alloc = torch.zeros if n == 0 else torch.empty  # the first chunk writes it all
+        alloc = torch.zeros if n == 0 else torch.empty  # the first fold writes it all
         grad_w = alloc(ws.shape, dtype=wdtype, device=ws.device)
         if student_head is not None and student_head.bias is not None:
             grad_b = torch.zeros(vocab, dtype=torch.float32, device=ws.device)
     if n == 0:
         return loss, (grad_h, grad_w, grad_b)
     # Without a head transform the row kernel itself applies the token weights and writes
-    # the gradient in the GEMMs' dtype (over the student logits): no (C, V) temporaries.
+    # the gradient in the GEMMs' dtype (over the student logits, or into the fold buffer):
+    # no (C, V) temporaries.
     in_kernel = student_head is None
     gdtype = ws.dtype if (hs.is_cuda and ws.dtype in _HALF and in_kernel) else torch.float32
+    group = fold_group(live) if (in_kernel and need_grad and backend == "triton") else 1
+    chunk = min(n, chunk_size or choose_chunk_size(n, vocab, live, hs.device, group,
+                                                   gdtype.itemsize))
+    stats_gemm = _use_stats_gemm(backend, hs, ws, targets, student_head)
+    if stats_gemm:
+        from distill.ops.divergence_triton import untempered_stats
+        from distill.ops.logits_gemm import logits_and_stats
+
+        inv_t = 1.0 / spec.temperature
+        untempered = untempered_stats(spec, labels, ce_sum)
+        cross = spec.kind == "reverse_kl"
     # one buffer per model, reused by every chunk: memory stays flat in N
     zs_buf = torch.empty((chunk, vocab), dtype=torch.float32, device=hs.device)
     zt_buf = torch.empty_like(zs_buf) if live else None
+    fold = min(n, chunk * group)
+    dz_buf = torch.empty((fold, vocab), dtype=gdtype, device=hs.device) if group > 1 else None
     ce_rows = torch.empty(chunk, dtype=torch.float32, device=hs.device)
-    for start in range(0, n, chunk):
-        sl = slice(start, min(n, start + chunk))
-        c = sl.stop - start
-        h = hs[sl]
-        zs, us = _project(h, ws, student_head, zs_buf[:c])
-        zt = None
-        if live:
-            zt, _ = _project(targets.teacher_hidden[sl], targets.teacher_weight,
-                             targets.teacher_head, zt_buf[:c])
-        ids = targets.ids[sl] if targets.ids is not None else None
-        lps = targets.logprobs[sl] if targets.logprobs is not None else None
-        lab = labels[sl] if labels is not None else None
-        w = weights[sl]
-        opts = dict(ce_out=ce_rows[:c] if (ce_sum is not None and lab is not None) else None)
-        if in_kernel:
-            opts.update(row_scale=w, grad_dtype=gdtype)
-        row_loss, dz = rows_fn(zs, zt, ids, lps, lab, spec, need_grad, **opts)
-        loss += row_loss @ w
-        if opts["ce_out"] is not None:
-            ce_sum += opts["ce_out"] @ w
-        if not need_grad:
-            continue
-        if not in_kernel:
-            dz = _chain_head(dz * w[:, None], us, student_head)  # (C, V) fp32
-            if grad_b is not None:
-                grad_b += dz.sum(0)
-            dz = dz.to(ws.dtype) if hs.is_cuda else dz
-        _fold(dz, h, ws, grad_h[sl], grad_w, first=start == 0)
+    for f0 in range(0, n, fold):
+        fsl = slice(f0, min(n, f0 + fold))
+        for start in range(f0, fsl.stop, chunk):
+            sl = slice(start, min(fsl.stop, start + chunk))
+            c = sl.stop - start
+            h = hs[sl]
+            zt = stats = None
+            if stats_gemm:
+                st_t = None
+                if live:
+                    zt = zt_buf[:c]
+                    st_t = logits_and_stats(targets.teacher_hidden[sl], targets.teacher_weight,
+                                            zt, inv_t=inv_t)
+                zs = zs_buf[:c]
+                st_s = logits_and_stats(h, ws, zs, inv_t=inv_t, untempered=untempered,
+                                        cross=zt if cross and live else None)
+                stats, us = (st_s, st_t), None
+            else:
+                zs, us = _project(h, ws, student_head, zs_buf[:c])
+                if live:
+                    zt, _ = _project(targets.teacher_hidden[sl], targets.teacher_weight,
+                                     targets.teacher_head, zt_buf[:c])
+            ids = targets.ids[sl] if targets.ids is not None else None
+            lps = targets.logprobs[sl] if targets.logprobs is not None else None
+            lab = labels[sl] if labels is not None else None
+            w = weights[sl]
+            opts = dict(ce_out=ce_rows[:c] if (ce_sum is not None and lab is not None) else None)
+            if in_kernel:
+                opts.update(row_scale=w, grad_dtype=gdtype)
+            if stats is not None:
+                opts["stats"] = stats
+            if dz_buf is not None:
+                opts["grad_out"] = dz_buf[start - f0:sl.stop - f0]
+            row_loss, dz = rows_fn(zs, zt, ids, lps, lab, spec, need_grad, **opts)
+            loss += row_loss @ w
+            if opts["ce_out"] is not None:
+                ce_sum += opts["ce_out"] @ w
+            if not need_grad or dz_buf is not None:
+                continue
+            if not in_kernel:
+                dz = _chain_head(dz * w[:, None], us, student_head)  # (C, V) fp32
+                if grad_b is not None:
+                    grad_b += dz.sum(0)
+                dz = dz.to(ws.dtype) if hs.is_cuda else dz
+            _fold(dz, h, ws, grad_h[sl], grad_w, first=start == 0)
+        if need_grad and dz_buf is not None:
+            _fold(dz_buf[:fsl.stop - f0], hs[fsl], ws, grad_h[fsl], grad_w, first=f0 == 0)
     return loss, (grad_h, grad_w, grad_b)

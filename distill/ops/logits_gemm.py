@@ -1,10 +1,18 @@
-"""Logits GEMM with the softmax statistics in its epilogue (CUDA, Triton).
+"""Logits GEMM with the softmax statistics in its epilogue (Triton).
 
 z = hidden @ weight.T in fp32, written to a (C, V) buffer, and, for each row and each
 BLOCK_N-column tile, the tile's max and sum of exp of the tempered logits z / T (and of the
-untempered ones, for the cross-entropy when T != 1). The row kernel then combines ~V / 256
+untempered ones, for the cross-entropy when T != 1). The row kernel then combines V / BN
 tile statistics per row instead of streaming the whole row once more: the first of its
 passes over the logits disappears.
+
+For reverse KL the student's epilogue can also read the teacher's logits of the same tile
+(computed first) and emit sum_j exp(a_j - m) (a_j - b_j), a = z / T, b = z_teacher / T:
+the row's <q, log q - log p> then needs no pass over the logits either.
+
+Stats layout, (P, C, NT) fp32, NT = cdiv(V, BN): planes 0, 1 are the tempered max / sum;
+with `untempered`, planes 2, 3 are the untempered ones; with a cross term, it is the last
+plane (2 or 4).
 """
 
 from __future__ import annotations
@@ -14,30 +22,33 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+# BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages; measured on an H200 at H = 4096,
+# V = 128256 by scripts/bench_gemm.py (docs/notes/kernels.md)
+CONFIG = {"gemm": (128, 256, 64, 8, 4)}
+
 
 @triton.jit
-def _tile_stats(a, valid):
-    """Row max and sum of exp(a - max) of a (BM, BN) tile, masked columns excluded."""
+def _tile_max_sum(a, valid):
+    """Row max and sum of exp(a - max) of a (BM, BN) tile, invalid entries excluded."""
     a = tl.where(valid, a, float("-inf"))
     m = tl.max(a, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.sum(tl.exp(a - m_safe[:, None]), 1)
-    return m, s
+    return m, tl.sum(tl.exp(a - m_safe[:, None]), 1), m_safe
 
 
 @triton.jit
 def _logits_stats_kernel(
     a_desc, b_desc,  # (C, H) hidden, (V, H) weight: TMA descriptors
     z_ptr, stride_z,  # (C, V) fp32 out
-    st_ptr,  # (NSETS, 2, C, NT) fp32 out: max and sum-exp per row and column tile
+    st_ptr,  # (P, C, NT) fp32 out
+    x_ptr, stride_x,  # (C, V) fp32 teacher logits (if CROSS)
     C, V, H, NT, inv_t,
-    NSETS: tl.constexpr,  # 0: no stats, 1: tempered, 2: tempered and untempered
+    UNTEMPERED: tl.constexpr, CROSS: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    STORE_Z: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(C, BM)
-    # consecutive programs share a weight tile: the 1 GB weight streams from HBM once
+    # consecutive programs share a weight tile: the weight streams from memory once
     pid_m = pid % num_m
     pid_n = pid // num_m
     off_m = pid_m * BM
@@ -46,84 +57,60 @@ def _logits_stats_kernel(
     for k in range(0, tl.cdiv(H, BK)):
         a = a_desc.load([off_m, k * BK])
         b = b_desc.load([off_n, k * BK])
-        acc = tl.dot(a, b.T, acc)
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
     rows = off_m + tl.arange(0, BM)
     cols = off_n + tl.arange(0, BN)
     rmask = rows < C
     valid = rmask[:, None] & (cols < V)[None, :]
-    if STORE_Z:
-        zp = z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :]
-        tl.store(zp, acc, mask=valid)
-    if NSETS >= 1:
-        plane = C * NT
-        sp = st_ptr + rows.to(tl.int64) * NT + pid_n
-        m, s = _tile_stats(acc * inv_t, valid)
-        tl.store(sp, m, mask=rmask)
-        tl.store(sp + plane, s, mask=rmask)
-        if NSETS == 2:
-            m1, s1 = _tile_stats(acc, valid)
-            tl.store(sp + 2 * plane, m1, mask=rmask)
-            tl.store(sp + 3 * plane, s1, mask=rmask)
+    rows64 = rows.to(tl.int64)
+    tl.store(z_ptr + rows64[:, None] * stride_z + cols[None, :], acc, mask=valid)
+    plane = C * NT
+    sp = st_ptr + rows64 * NT + pid_n
+    a = acc * inv_t
+    m, s, m_safe = _tile_max_sum(a, valid)
+    tl.store(sp, m, mask=rmask)
+    tl.store(sp + plane, s, mask=rmask)
+    if UNTEMPERED:
+        m1, s1, _ = _tile_max_sum(acc, valid)
+        tl.store(sp + 2 * plane, m1, mask=rmask)
+        tl.store(sp + 3 * plane, s1, mask=rmask)
+    if CROSS:
+        b = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=valid, other=0.0)
+        x = tl.where(valid, tl.exp(a - m_safe[:, None]) * (a - b * inv_t), 0.0)
+        tl.store(sp + (4 if UNTEMPERED else 2) * plane, tl.sum(x, 1), mask=rmask)
 
 
-@triton.jit
-def _logits_stats_persistent(
-    a_desc, b_desc, z_ptr, stride_z, st_ptr, C, V, H, NT, inv_t,
-    NSETS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    STORE_Z: tl.constexpr, NUM_SMS: tl.constexpr,
-):
-    num_m = tl.cdiv(C, BM)
-    num_tiles = num_m * NT
-    k_tiles = tl.cdiv(H, BK)
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
-        pid_m = tile % num_m
-        pid_n = tile // num_m
-        off_m = pid_m * BM
-        off_n = pid_n * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, k_tiles):
-            a = a_desc.load([off_m, k * BK])
-            b = b_desc.load([off_n, k * BK])
-            acc = tl.dot(a, b.T, acc)
-        rows = off_m + tl.arange(0, BM)
-        cols = off_n + tl.arange(0, BN)
-        rmask = rows < C
-        valid = rmask[:, None] & (cols < V)[None, :]
-        if STORE_Z:
-            zp = z_ptr + rows.to(tl.int64)[:, None] * stride_z + cols[None, :]
-            tl.store(zp, acc, mask=valid)
-        if NSETS >= 1:
-            plane = C * NT
-            sp = st_ptr + rows.to(tl.int64) * NT + pid_n
-            m, s = _tile_stats(acc * inv_t, valid)
-            tl.store(sp, m, mask=rmask)
-            tl.store(sp + plane, s, mask=rmask)
-            if NSETS == 2:
-                m1, s1 = _tile_stats(acc, valid)
-                tl.store(sp + 2 * plane, m1, mask=rmask)
-                tl.store(sp + 3 * plane, s1, mask=rmask)
+def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the Triton GEMM takes these operands (TMA: 16-byte aligned rows)."""
+    ok_dtype = hidden.dtype == weight.dtype and hidden.dtype in (
+        torch.bfloat16, torch.float16, torch.float32)
+    return ok_dtype and all(
+        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+        and t.data_ptr() % 16 == 0 for t in (hidden, weight))
 
 
-def logits_and_stats(hidden, weight, out, *, inv_t=1.0, nsets=1, config=(128, 256, 64, 8, 3),
-                     store_z=True, persistent=False):
-    """z = hidden @ weight.T into the fp32 `out` (C, V), and the per-tile softmax stats.
+def logits_and_stats(hidden, weight, out, *, inv_t=1.0, untempered=False, cross=None,
+                     config=None):
+    """z = hidden @ weight.T into the fp32 `out` (C, V); returns the (P, C, NT) stats.
 
-    Returns a (nsets, 2, C, NT) fp32 tensor: [set][0] tile maxima, [set][1] sums of exp.
+    `cross`: the teacher's fp32 logits (C, V) for the reverse-KL cross term.
     """
-    bm, bn, bk, warps, stages = config
+    bm, bn, bk, warps, stages = config or CONFIG["gemm"]
     c, h = hidden.shape
     v = weight.shape[0]
     nt = triton.cdiv(v, bn)
-    stats = torch.empty((max(nsets, 1), 2, c, nt), dtype=torch.float32, device=hidden.device)
+    planes = 2 + 2 * untempered + (cross is not None)
+    stats = torch.empty((planes, c, nt), dtype=torch.float32, device=hidden.device)
+    if c == 0:
+        return stats
     a_desc = TensorDescriptor.from_tensor(hidden, [bm, bk])
     b_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
-    args = (a_desc, b_desc, out, out.stride(0), stats, c, v, h, nt, inv_t)
-    meta = dict(NSETS=nsets, BM=bm, BN=bn, BK=bk, STORE_Z=store_z, num_warps=warps,
-                num_stages=stages)
-    tiles = triton.cdiv(c, bm) * nt
-    if persistent:
-        sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count
-        _logits_stats_persistent[(min(sms, tiles),)](*args, NUM_SMS=sms, **meta)
-    else:
-        _logits_stats_kernel[(tiles,)](*args, **meta)
+    x = cross if cross is not None else out
+    grid = (triton.cdiv(c, bm) * nt,)
+    _logits_stats_kernel[grid](
+        a_desc, b_desc, out, out.stride(0), stats, x, x.stride(0), c, v, h, nt, inv_t,
+        UNTEMPERED=untempered, CROSS=cross is not None,
+        PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+    )
     return stats

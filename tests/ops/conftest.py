@@ -31,6 +31,10 @@ def triton_kernels(monkeypatch):
             importlib.reload(tl)
         if not isinstance(mod._live_fwd_kernel, InterpretedFunction):
             mod = importlib.reload(mod)
+        gemm = importlib.import_module("distill.ops.logits_gemm")
+        if not isinstance(gemm._logits_stats_kernel, InterpretedFunction):
+            gemm = importlib.reload(gemm)
+        monkeypatch.setitem(gemm.CONFIG, "gemm", (16, 64, 16, 4, 2))
         # several blocks per row and a partial last one, at vocabularies of a few hundred
         monkeypatch.setitem(mod.CONFIG, "live", (64, 4))
         monkeypatch.setitem(mod.CONFIG, "sparse", (64, 4))

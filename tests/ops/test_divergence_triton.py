@@ -23,9 +23,22 @@ def _triton(**kw):
     return linear_divergence(**kw, backend="triton")
 
 
+# The op's two Triton paths: cuBLAS-style GEMMs and a full row kernel, each chunk folded
+# alone; the stats-epilogue GEMM (pass 1 in the GEMM) with chunks folded two at a time.
+PATHS = {"plain": dict(DISTILL_STATS_GEMM="0", DISTILL_FOLD_GROUP="1"),
+         "stats+fold": dict(DISTILL_STATS_GEMM="1", DISTILL_FOLD_GROUP="2")}
+
+
+@pytest.fixture(params=list(PATHS))
+def op_path(request, monkeypatch):
+    for k, v in PATHS[request.param].items():
+        monkeypatch.setenv(k, v)
+    return request.param
+
+
 @pytest.mark.parametrize("kind,extra", KINDS)
 @pytest.mark.parametrize("temperature,ce_weight", [(1.0, 0.0), (2.0, 0.5)])
-def test_live_teacher(triton_kernels, kind, extra, temperature, ce_weight):
+def test_live_teacher(triton_kernels, op_path, kind, extra, temperature, ce_weight):
     x = make_inputs(**SMALL)
     got, ref = run_both(x, _triton, grad_scale=0.5, kind=kind, temperature=temperature,
                         ce_weight=ce_weight, temperature_squared=temperature != 1.0,
@@ -35,7 +48,7 @@ def test_live_teacher(triton_kernels, kind, extra, temperature, ce_weight):
 
 @pytest.mark.parametrize("kind,extra", KINDS)
 @pytest.mark.parametrize("sparse_mode", ["tail", "renormalize"])
-def test_cached_topk(triton_kernels, kind, extra, sparse_mode):
+def test_cached_topk(triton_kernels, op_path, kind, extra, sparse_mode):
     x = make_inputs(k=7, **SMALL)
     got, ref = run_both(x, _triton, grad_scale=1.7, kind=kind, sparse_mode=sparse_mode,
                         temperature=1.5, ce_weight=0.3, chunk_size=6, **extra)
@@ -81,6 +94,41 @@ def test_rows_match_the_torch_rows(triton_kernels):
     torch.testing.assert_close(db, da, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("temperature,untempered,cross", [(1.0, False, False), (0.7, True, True),
+                                                          (2.0, False, True)])
+def test_logits_gemm_stats_match_float64(triton_kernels, temperature, untempered, cross):
+    """The GEMM's logits and per-tile (max, sum exp, cross term) on odd shapes."""
+    from distill.ops import logits_gemm
+
+    bn = logits_gemm.CONFIG["gemm"][1] if DEVICE == "cuda" else 64
+    c, h, v = 37, 40, 3 * bn + 11  # partial row tile and partial last column tile
+    hid, w = torch.randn(c, h, device=DEVICE), torch.randn(v, h, device=DEVICE) * 0.5
+    zt = torch.randn(c, v, device=DEVICE) * 3
+    z = torch.full((c, v), float("nan"), device=DEVICE)
+    st = logits_gemm.logits_and_stats(hid, w, z, inv_t=1 / temperature, untempered=untempered,
+                                      cross=zt if cross else None)
+    ref = hid.double() @ w.double().T
+    torch.testing.assert_close(z.double(), ref, rtol=1e-5, atol=1e-5)
+    nt = -(-v // bn)
+    assert st.shape == (2 + 2 * untempered + cross, c, nt)
+
+    def tiles(x):
+        return torch.nn.functional.pad(x, (0, nt * bn - v), value=float("-inf")).view(c, nt, bn)
+
+    sets = [1 / temperature] + ([1.0] if untempered else [])
+    for i, inv in enumerate(sets):
+        a = tiles(ref * inv)
+        m = a.amax(-1)
+        torch.testing.assert_close(st[2 * i].double(), m, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(st[2 * i + 1].double(), (a - m[..., None]).exp().sum(-1),
+                                   rtol=1e-5, atol=1e-5)
+    if cross:
+        a, b = tiles(ref / temperature), tiles(zt.double() / temperature).nan_to_num(0.0)
+        m = a.amax(-1, keepdim=True)
+        x = ((a - m).exp() * (a - b)).nan_to_num(0.0).sum(-1)
+        torch.testing.assert_close(st[-1].double(), x, rtol=1e-4, atol=1e-4)
+
+
 def test_all_ignored_gives_zero(triton_kernels):
     x = make_inputs(**SMALL)
     hs = x["student_hidden"].requires_grad_(True)
@@ -105,7 +153,7 @@ GPU_SHAPES = dict(n=300, v=32003, hs=256, ht=384, device="cuda")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("kind,extra", KINDS)
 @pytest.mark.parametrize("cached", [False, True])
-def test_gpu_matches_reference(dtype, kind, extra, cached):
+def test_gpu_matches_reference(op_path, dtype, kind, extra, cached):
     x = make_inputs(k=64 if cached else None, dtype=dtype, **GPU_SHAPES)
     got, ref = run_both(x, linear_divergence, grad_scale=0.5, kind=kind, temperature=1.5,
                         ce_weight=0.2, chunk_size=128, **extra)
