@@ -213,18 +213,40 @@ def breakdown(bt):
     return out
 
 
-def profile(bt):
-    """Kernel-by-kernel CUDA time of one forward + backward of distill live forward_kl."""
+def profile(bt, names=("GEMM floor (4 live)", "distill live forward_kl")):
+    """Per method: event-timed ms, the sum of its kernels' times, the idle gaps between
+    them, and the time per kernel name, from a torch.profiler trace of one run."""
     x = make_inputs(bt)
-    fn, _ = methods(x, None)["distill live forward_kl"]
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
-                                            torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return f"BT={bt}\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    leaves = [x["hs"], x["ws"]]
+    lines = [f"BT={bt}"]
+    for name in names:
+        fn, _ = methods(x, None)[name]
+
+        def clear():
+            for t in leaves:
+                t.grad = None
+
+        ms = _time(fn, 5, before=clear)
+        clear()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        clear()
+        kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                         key=lambda e: e.time_range.start)
+        busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+        span = (kernels[-1].time_range.end - kernels[0].time_range.start) / 1e3
+        gaps = sorted(((b.time_range.start - a.time_range.end) / 1e3, a.name[:40], b.name[:40])
+                      for a, b in zip(kernels, kernels[1:]))[::-1]
+        per = {}
+        for e in kernels:
+            n, t = per.get(e.name[:60], (0, 0.0))
+            per[e.name[:60]] = (n + 1, t + e.time_range.elapsed_us() / 1e3)
+        lines.append(f"{name}: events {ms:.2f} ms, kernels {busy:.2f} ms, span {span:.2f} ms, "
+                     f"largest gaps {[(round(g, 3), a, b) for g, a, b in gaps[:3]]}")
+        lines += [f"   {t:8.3f} ms {n:4d}x {k}" for k, (n, t) in
+                  sorted(per.items(), key=lambda kv: -kv[1][1])]
+    return "\n".join(lines)
 
 
 def _kernel_call(zs, zt, cached, kind):
