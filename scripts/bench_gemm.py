@@ -21,13 +21,19 @@ import triton
 from distill.ops.logits_gemm import logits_and_stats
 
 H, V = 4096, 128256
-CONFIGS = [  # BM, BN, BK, warps, stages
-    (128, 256, 64, 8, 3),
-    (128, 256, 64, 8, 4),
-    (128, 128, 64, 4, 4),
-    (256, 128, 64, 8, 3),
+CONFIGS = [  # (BM, BN, BK, warps, stages), persistent
+    ((128, 256, 64, 8, 4), None),
+    ((128, 256, 64, 8, 3), None),
+    ((128, 128, 64, 8, 3), None),
+    ((128, 128, 64, 4, 3), None),
+    ((128, 128, 128, 8, 3), None),
+    ((128, 128, 64, 8, 4), "flat"),
+    ((128, 128, 64, 8, 3), "ws"),
+    ((128, 256, 64, 8, 3), "ws"),
+    ((128, 256, 64, 8, 2), "ws"),
+    ((128, 128, 64, 4, 4), "ws"),
 ]
-VARIANTS = {"stats": {}, "stats+untempered": dict(untempered=True), "stats+cross": "cross"}
+VARIANTS = {"stats": {}, "stats+untempered": dict(untempered=True)}
 
 
 def _time(fn, reps):
@@ -68,15 +74,14 @@ def run(c, reps):
     rec("cublas bf16 out", _time(lambda: torch.mm(a, b.T), reps))
     rec("cublas fp32 out", _time(lambda: torch.mm(a, b.T, out_dtype=torch.float32, out=z), reps))
     ref = z.clone()
-    zt = torch.randn(c, V, device="cuda") * 3
     inv_t = 0.5
-    for cfg in CONFIGS:
-        for vname, extra in VARIANTS.items():
-            name = f"triton {cfg} {vname}"
-            kw = dict(cross=zt) if extra == "cross" else extra
+    for cfg, pers in CONFIGS:
+        for vname, kw in VARIANTS.items():
+            name = f"triton {cfg} {pers or 'grid'} {vname}"
             try:
-                def fn(cfg=cfg, kw=kw):
-                    return logits_and_stats(a, b, z, inv_t=inv_t, config=cfg, **kw)
+                def fn(cfg=cfg, kw=kw, pers=pers):
+                    return logits_and_stats(a, b, z, inv_t=inv_t, config=cfg, persistent=pers,
+                                            **kw)
                 z.fill_(float("nan"))
                 st = fn()
                 m, s = _ref_stats(ref, inv_t, cfg[1])
@@ -92,7 +97,7 @@ def run(c, reps):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--c", type=int, nargs="+", default=[512, 1024])
+    p.add_argument("--c", type=int, nargs="+", default=[640, 1024])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", type=Path, default=Path("bench_out/gemm"))
     args = p.parse_args()

@@ -23,15 +23,20 @@ class _LinearDivergence(torch.autograd.Function):
         loss, (g_h, g_w, g_b) = fused_rows(hs if every_row else hs[rows], ws, targets, labels,
                                            weights, need_grad=True, **opts)
         grad_h = g_h if every_row else torch.zeros_like(hs).index_copy_(0, rows, g_h)
-        ctx.save_for_backward(grad_h, g_w, g_b if g_b is not None else torch.empty(0))
-        ctx.has_bias = bias is not None
+        # Held as plain attributes (not saved tensors) and dropped in backward, so that the
+        # returned gradients are the only references: autograd then takes them as .grad
+        # instead of cloning a weight-sized tensor.
+        ctx.grads = (grad_h, g_w, g_b if bias is not None else None)
         ctx.weight_dtype = ws.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        grad_b = grad_b if ctx.has_bias else None
+        if ctx.grads is None:
+            raise RuntimeError("linear_divergence: backward through the same loss twice; "
+                               "its gradients were computed once, in forward")
+        grad_h, grad_w, grad_b = ctx.grads
+        ctx.grads = None
         if bool(grad_out != 1):  # scaled in place: a copy of grad_w would cost its size
             for g in (grad_h, grad_w, grad_b):
                 if g is not None:
@@ -87,13 +92,13 @@ def linear_divergence(
     lab = labels[rows] if (labels is not None and (ce_weight or return_components)) else None
     targets = Targets(
         teacher_hidden=_take(teacher_hidden, rows),
-        teacher_weight=teacher_weight[:vocab] if teacher_weight is not None else None,
+        teacher_weight=_rows(teacher_weight, vocab),
         teacher_head=_sliced(teacher_head, vocab),
         ids=target_ids[rows].long() if target_ids is not None else None,
         logprobs=target_logprobs[rows] if target_logprobs is not None else None,
     )
     head = _sliced(student_head, vocab)
-    ws = student_weight[:vocab]
+    ws = _rows(student_weight, vocab)
     ce_sum = torch.zeros((), dtype=torch.float32, device=student_hidden.device)
     opts = dict(spec=spec, chunk_size=chunk_size, fp32_weight_grad=fp32_weight_grad,
                 backend=backend, student_head=head, ce_sum=ce_sum if return_components else None)
@@ -118,10 +123,16 @@ def _take(x: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
     return x if x is None or len(rows) == len(x) else x[rows]
 
 
+def _rows(x: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
+    """x[:vocab], or x itself when nothing is cut: a slice view would route the weight's
+    gradient through a zero-filled weight-sized buffer and a copy."""
+    return x if x is None or x.shape[0] == vocab else x[:vocab]
+
+
 def _sliced(head: HeadTransform | None, vocab: int) -> HeadTransform | None:
     if head is None or head.bias is None:
         return head
-    return HeadTransform(head.bias[:vocab], head.scale, head.softcap)
+    return HeadTransform(_rows(head.bias, vocab), head.scale, head.softcap)
 
 
 def _trained_rows(hidden, labels, weights, spec):

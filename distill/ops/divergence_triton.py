@@ -54,20 +54,6 @@ def _merge_tiles(st_ptr, plane, NT, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _merge_cross(st_ptr, x_ptr, NT, m_row, BLOCK_T: tl.constexpr):
-    """sum over tiles of x_t exp(m_t - m_row): a row's sum_j exp(a_j - m_row) (a_j - b_j)."""
-    offs = tl.arange(0, BLOCK_T)
-    acc = tl.zeros((), tl.float32)
-    for i in range(0, tl.cdiv(NT, BLOCK_T)):
-        idx = i * BLOCK_T + offs
-        mask = idx < NT
-        m = tl.load(st_ptr + idx, mask=mask, other=float("-inf"))
-        x = tl.load(x_ptr + idx, mask=mask, other=0.0)
-        acc += tl.sum(tl.where(mask, x * tl.exp(m - m_row), 0.0), 0)
-    return acc
-
-
-@triton.jit
 def _logaddexp(x, y):
     hi = tl.maximum(x, y)
     return hi + tl.log(1.0 + tl.exp(tl.minimum(x, y) - hi))
@@ -88,7 +74,7 @@ def _live_fwd_kernel(
     inv_t, beta, ce_weight, factor,
     KIND: tl.constexpr, HAS_CE: tl.constexpr, CE_GRAD: tl.constexpr, CE_SEP: tl.constexpr,
     WRITE_CE: tl.constexpr, HAS_SCALE: tl.constexpr, NEED_GRAD: tl.constexpr,
-    ALIAS: tl.constexpr, STATS: tl.constexpr, CROSS: tl.constexpr, BLOCK: tl.constexpr,
+    ALIAS: tl.constexpr, STATS: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -106,9 +92,6 @@ def _live_fwd_kernel(
         mt, st = _merge_tiles(stt_ptr + row * NT, plane_t, NT, BLOCK_T)
         if CE_SEP:
             m1, s1 = _merge_tiles(sts_row + 2 * plane_s, plane_s, NT, BLOCK_T)
-        if CROSS:
-            w_rkl = _merge_cross(sts_row, sts_row + (4 if CE_SEP else 2) * plane_s, NT, ms,
-                                 BLOCK_T)
     # pass 1: normalizers of q = softmax(zs / T), p = softmax(zt / T) (and softmax(zs))
     for i in range(0, 0 if STATS else nb):
         idx = i * BLOCK + offs
@@ -127,7 +110,7 @@ def _live_fwd_kernel(
         mt, st = _online(mt, st, a_t)
         if CE_SEP:
             m1, s1 = _online(m1, s1, zs)
-    if STATS and KIND == 1 and not CROSS:
+    if STATS and KIND == 1:
         for i in range(0, nb):  # <q, log q - log p>, the normalizers known
             idx = i * BLOCK + offs
             mask = idx < V
@@ -389,12 +372,11 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
     if live:
         block, warps = CONFIG["live"]
         st_t = st_t if st_t is not None else loss
-        cross = stats is not None and kind == 1 and st_s.shape[0] > planes
         _live_fwd_kernel[(c,)](
             zs, zt, dz, *ptrs, *tiles, st_t, st_t[0].numel() if stats else 0,
             v, zs.stride(0), zt.stride(0), dz.stride(0), *scalars,
             KIND=kind, BLOCK=min(block, triton.next_power_of_2(v)), num_warps=warps,
-            CROSS=cross, BLOCK_T=block_t, **flags,
+            BLOCK_T=block_t, **flags,
         )
     else:
         k = target_ids.shape[1]

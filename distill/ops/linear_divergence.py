@@ -23,7 +23,7 @@ CHUNK_BUDGET_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
 # With a live teacher, the gradients of FOLD_GROUP consecutive chunks go to one buffer and
 # meet the weight in one GEMM of K = FOLD_GROUP x chunk rows: fewer read-modify-writes of
 # the whole d weight (docs/notes/kernels.md). Cached chunks are larger already.
-FOLD_GROUP = {"live": 4, "cached": 1}
+FOLD_GROUP = {"live": 2, "cached": 1}
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -189,7 +189,6 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
 
         inv_t = 1.0 / spec.temperature
         untempered = untempered_stats(spec, labels, ce_sum)
-        cross = spec.kind == "reverse_kl"
     # one buffer per model, reused by every chunk: memory stays flat in N
     zs_buf = torch.empty((chunk, vocab), dtype=torch.float32, device=hs.device)
     zt_buf = torch.empty_like(zs_buf) if live else None
@@ -210,8 +209,7 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
                     st_t = logits_and_stats(targets.teacher_hidden[sl], targets.teacher_weight,
                                             zt, inv_t=inv_t)
                 zs = zs_buf[:c]
-                st_s = logits_and_stats(h, ws, zs, inv_t=inv_t, untempered=untempered,
-                                        cross=zt if cross and live else None)
+                st_s = logits_and_stats(h, ws, zs, inv_t=inv_t, untempered=untempered)
                 stats, us = (st_s, st_t), None
             else:
                 zs, us = _project(h, ws, student_head, zs_buf[:c])

@@ -6,13 +6,8 @@ untempered ones, for the cross-entropy when T != 1). The row kernel then combine
 tile statistics per row instead of streaming the whole row once more: the first of its
 passes over the logits disappears.
 
-For reverse KL the student's epilogue can also read the teacher's logits of the same tile
-(computed first) and emit sum_j exp(a_j - m) (a_j - b_j), a = z / T, b = z_teacher / T:
-the row's <q, log q - log p> then needs no pass over the logits either.
-
 Stats layout, (P, C, NT) fp32, NT = cdiv(V, BN): planes 0, 1 are the tempered max / sum;
-with `untempered`, planes 2, 3 are the untempered ones; with a cross term, it is the last
-plane (2 or 4).
+with `untempered`, planes 2, 3 are the untempered ones.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages; measured on an H200 at H = 4096,
 # V = 128256 by scripts/bench_gemm.py (docs/notes/kernels.md)
-CONFIG = {"gemm": (128, 256, 64, 8, 4)}
+CONFIG = {"gemm": (128, 256, 64, 8, 4), "persistent": None}
 
 
 @triton.jit
@@ -33,7 +28,28 @@ def _tile_max_sum(a, valid):
     a = tl.where(valid, a, float("-inf"))
     m = tl.max(a, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    return m, tl.sum(tl.exp(a - m_safe[:, None]), 1), m_safe
+    return m, tl.sum(tl.exp(a - m_safe[:, None]), 1)
+
+
+@triton.jit
+def _epilogue(acc, z_ptr, stride_z, st_ptr, C, V, NT, inv_t, off_m, pid_n,
+              UNTEMPERED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Store a (BM, BN) fp32 logits tile and its rows' (max, sum exp) for tile pid_n."""
+    rows = off_m + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < C
+    valid = rmask[:, None] & (cols < V)[None, :]
+    rows64 = rows.to(tl.int64)
+    tl.store(z_ptr + rows64[:, None] * stride_z + cols[None, :], acc, mask=valid)
+    plane = C * NT
+    sp = st_ptr + rows64 * NT + pid_n
+    m, s = _tile_max_sum(acc * inv_t, valid)
+    tl.store(sp, m, mask=rmask)
+    tl.store(sp + plane, s, mask=rmask)
+    if UNTEMPERED:
+        m1, s1 = _tile_max_sum(acc, valid)
+        tl.store(sp + 2 * plane, m1, mask=rmask)
+        tl.store(sp + 3 * plane, s1, mask=rmask)
 
 
 @triton.jit
@@ -41,9 +57,8 @@ def _logits_stats_kernel(
     a_desc, b_desc,  # (C, H) hidden, (V, H) weight: TMA descriptors
     z_ptr, stride_z,  # (C, V) fp32 out
     st_ptr,  # (P, C, NT) fp32 out
-    x_ptr, stride_x,  # (C, V) fp32 teacher logits (if CROSS)
     C, V, H, NT, inv_t,
-    UNTEMPERED: tl.constexpr, CROSS: tl.constexpr, PRECISION: tl.constexpr,
+    UNTEMPERED: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -51,33 +66,37 @@ def _logits_stats_kernel(
     # consecutive programs share a weight tile: the weight streams from memory once
     pid_m = pid % num_m
     pid_n = pid // num_m
-    off_m = pid_m * BM
-    off_n = pid_n * BN
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, tl.cdiv(H, BK)):
-        a = a_desc.load([off_m, k * BK])
-        b = b_desc.load([off_n, k * BK])
+        a = a_desc.load([pid_m * BM, k * BK])
+        b = b_desc.load([pid_n * BN, k * BK])
         acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-    rows = off_m + tl.arange(0, BM)
-    cols = off_n + tl.arange(0, BN)
-    rmask = rows < C
-    valid = rmask[:, None] & (cols < V)[None, :]
-    rows64 = rows.to(tl.int64)
-    tl.store(z_ptr + rows64[:, None] * stride_z + cols[None, :], acc, mask=valid)
-    plane = C * NT
-    sp = st_ptr + rows64 * NT + pid_n
-    a = acc * inv_t
-    m, s, m_safe = _tile_max_sum(a, valid)
-    tl.store(sp, m, mask=rmask)
-    tl.store(sp + plane, s, mask=rmask)
-    if UNTEMPERED:
-        m1, s1, _ = _tile_max_sum(acc, valid)
-        tl.store(sp + 2 * plane, m1, mask=rmask)
-        tl.store(sp + 3 * plane, s1, mask=rmask)
-    if CROSS:
-        b = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=valid, other=0.0)
-        x = tl.where(valid, tl.exp(a - m_safe[:, None]) * (a - b * inv_t), 0.0)
-        tl.store(sp + (4 if UNTEMPERED else 2) * plane, tl.sum(x, 1), mask=rmask)
+    _epilogue(acc, z_ptr, stride_z, st_ptr, C, V, NT, inv_t, pid_m * BM, pid_n, UNTEMPERED,
+              BM, BN)
+
+
+@triton.jit
+def _logits_stats_persistent(
+    a_desc, b_desc, z_ptr, stride_z, st_ptr, C, V, H, NT, inv_t,
+    UNTEMPERED: tl.constexpr, PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    """The same, one program per SM walking the tiles (the next tile's loads overlap the
+    epilogue of the current one)."""
+    num_m = tl.cdiv(C, BM)
+    k_tiles = tl.cdiv(H, BK)
+    for tile in tl.range(tl.program_id(0), num_m * NT, NUM_SMS, flatten=True,
+                         warp_specialize=WARP_SPECIALIZE):
+        pid_m = tile % num_m
+        pid_n = tile // num_m
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, k_tiles):
+            a = a_desc.load([pid_m * BM, k * BK])
+            b = b_desc.load([pid_n * BN, k * BK])
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        _epilogue(acc, z_ptr, stride_z, st_ptr, C, V, NT, inv_t, pid_m * BM, pid_n,
+                  UNTEMPERED, BM, BN)
 
 
 def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -89,28 +108,31 @@ def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
         and t.data_ptr() % 16 == 0 for t in (hidden, weight))
 
 
-def logits_and_stats(hidden, weight, out, *, inv_t=1.0, untempered=False, cross=None,
-                     config=None):
+def logits_and_stats(hidden, weight, out, *, inv_t=1.0, untempered=False, config=None,
+                     persistent=None):
     """z = hidden @ weight.T into the fp32 `out` (C, V); returns the (P, C, NT) stats.
 
-    `cross`: the teacher's fp32 logits (C, V) for the reverse-KL cross term.
+    `persistent`: None for one program per tile, else "flat" or "ws" (warp-specialized).
     """
     bm, bn, bk, warps, stages = config or CONFIG["gemm"]
+    persistent = persistent if persistent is not None else CONFIG.get("persistent")
     c, h = hidden.shape
     v = weight.shape[0]
     nt = triton.cdiv(v, bn)
-    planes = 2 + 2 * untempered + (cross is not None)
+    planes = 2 + 2 * untempered
     stats = torch.empty((planes, c, nt), dtype=torch.float32, device=hidden.device)
     if c == 0:
         return stats
     a_desc = TensorDescriptor.from_tensor(hidden, [bm, bk])
     b_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
-    x = cross if cross is not None else out
-    grid = (triton.cdiv(c, bm) * nt,)
-    _logits_stats_kernel[grid](
-        a_desc, b_desc, out, out.stride(0), stats, x, x.stride(0), c, v, h, nt, inv_t,
-        UNTEMPERED=untempered, CROSS=cross is not None,
-        PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
-        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
-    )
+    args = (a_desc, b_desc, out, out.stride(0), stats, c, v, h, nt, inv_t)
+    meta = dict(UNTEMPERED=untempered, BM=bm, BN=bn, BK=bk, num_warps=warps,
+                num_stages=stages, PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32")
+    tiles = triton.cdiv(c, bm) * nt
+    if persistent:
+        sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count
+        _logits_stats_persistent[(min(sms, tiles),)](
+            *args, NUM_SMS=sms, WARP_SPECIALIZE=persistent == "ws", **meta)
+    else:
+        _logits_stats_kernel[(tiles,)](*args, **meta)
     return stats

@@ -1,0 +1,140 @@
+"""A/B timing of the op's internal variants, interleaved so clock drift hits all alike.
+
+Each round times every variant once (CUDA events, grads cleared before each call), in
+turn; the table gives the median over rounds and the ratio to the GEMM floor timed in the
+same rounds. Variants set the op's switches (DISTILL_STATS_GEMM, DISTILL_FOLD_GROUP) and
+chunk size. Also prints which ATen ops launch the largest kernels (--ops).
+
+    python scripts/bench_variants.py --bt 4096 8192 --rounds 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_loss  # noqa: E402
+
+from distill.losses import linear_divergence  # noqa: E402
+
+# name -> (env switches, chunk_size or None, kind, cached?)
+BASE = dict(DISTILL_STATS_GEMM="0", DISTILL_FOLD_GROUP="1")
+STATS = dict(DISTILL_STATS_GEMM="1", DISTILL_FOLD_GROUP="1")
+DEFAULT = dict(DISTILL_STATS_GEMM="1", DISTILL_FOLD_GROUP="2")
+# name -> (env switches, chunk_size or None, kind, cached?)
+VARIANTS = {
+    "base: cuBLAS, 3-pass rows, fold 1": (BASE, None, "forward_kl", False),
+    "stats GEMM, fold 1": (STATS, None, "forward_kl", False),
+    "default (stats GEMM, fold 2)": (DEFAULT, None, "forward_kl", False),
+    "default, chunk 768": (DEFAULT, 768, "forward_kl", False),
+    "default, reverse_kl": (DEFAULT, None, "reverse_kl", False),
+    "default, jsd": (DEFAULT, None, "jsd", False),
+    "base cached": (BASE, None, "forward_kl", True),
+    "default cached": (DEFAULT, None, "forward_kl", True),
+}
+
+
+def make_fn(x, env, chunk, kind, cached):
+    hs, ws = x["hs"], x["ws"]
+    target = (dict(target_ids=x["ids"], target_logprobs=x["lps"]) if cached
+              else dict(teacher_hidden=x["ht"], teacher_weight=x["wt"]))
+
+    def fn():
+        os.environ.update(env)
+        linear_divergence(hs, ws, kind=kind, chunk_size=chunk, **target).backward()
+    return fn
+
+
+def one(fn, clear):
+    clear()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e)
+
+
+def run(bt, rounds, only):
+    x = bench_loss.make_inputs(bt)
+    leaves = [x["hs"], x["ws"]]
+
+    def clear():
+        for t in leaves:
+            t.grad = None
+
+    fns = {"GEMM floor (4 live)": lambda: bench_loss._gemm_floor(x, True),
+           "GEMM floor (3 cached)": lambda: bench_loss._gemm_floor(x, False)}
+    for name, (env, chunk, kind, cached) in VARIANTS.items():
+        if not only or any(s in name for s in only):
+            fns[name] = make_fn(x, env, chunk, kind, cached)
+    mem = {}
+    for name, fn in fns.items():  # warm-up, compile, and the peak memory
+        clear()
+        fn()
+        clear()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        grads = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
+        mem[name] = (torch.cuda.max_memory_allocated() - base - grads) / (1 << 20)
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(one(fn, clear))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rows = []
+    for name in fns:
+        floor = med["GEMM floor (3 cached)" if "cached" in name else "GEMM floor (4 live)"]
+        rows.append(dict(bt=bt, name=name, ms=round(med[name], 3),
+                         ratio=round(med[name] / floor, 4), mib=round(mem[name], 1),
+                         spread=round((max(times[name]) - min(times[name])) / med[name], 3)))
+    return rows
+
+
+def ops_table(bt):
+    """Which ATen ops own the CUDA time of one distill live forward_kl call."""
+    x = bench_loss.make_inputs(bt)
+    fn = make_fn(x, {}, None, "forward_kl", False)
+    fn()
+    for t in (x["hs"], x["ws"]):
+        t.grad = None
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=30,
+        max_shapes_column_width=60)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bt", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--only", nargs="*")
+    p.add_argument("--ops", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("bench_out/variants"))
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.ops:
+        print(ops_table(args.bt[-1]))
+    rows = [r for bt in args.bt for r in run(bt, args.rounds, args.only)]
+    (args.out / "variants.json").write_text(json.dumps(rows, indent=1))
+    for r in rows:
+        print(f"BT={r['bt']:6d} {r['name']:38s} {r['ms']:8.2f} ms {r['ratio']:6.3f}x "
+              f"{r['mib']:7.0f} MiB  spread {r['spread']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
