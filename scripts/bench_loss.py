@@ -243,7 +243,8 @@ def profile(bt, names=("GEMM floor (4 live)", "distill live forward_kl")):
             n, t = per.get(e.name[:60], (0, 0.0))
             per[e.name[:60]] = (n + 1, t + e.time_range.elapsed_us() / 1e3)
         lines.append(f"{name}: events {ms:.2f} ms, kernels {busy:.2f} ms, span {span:.2f} ms, "
-                     f"largest gaps {[(round(g, 3), a, b) for g, a, b in gaps[:3]]}")
+                     f"gaps {span - busy:.2f} ms, largest:")
+        lines += [f"   gap {g:6.3f} ms after {a} before {b}" for g, a, b in gaps[:8]]
         lines += [f"   {t:8.3f} ms {n:4d}x {k}" for k, (n, t) in
                   sorted(per.items(), key=lambda kv: -kv[1][1])]
     return "\n".join(lines)
