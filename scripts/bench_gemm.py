@@ -21,17 +21,12 @@ import triton
 from distill.ops.logits_gemm import logits_and_stats
 
 H, V = 4096, 128256
-CONFIGS = [  # (BM, BN, BK, warps, stages), persistent
-    ((128, 256, 64, 8, 4), None),
-    ((128, 256, 64, 8, 3), None),
-    ((128, 128, 64, 8, 3), None),
-    ((128, 128, 64, 4, 3), None),
-    ((128, 128, 128, 8, 3), None),
-    ((128, 128, 64, 8, 4), "flat"),
-    ((128, 128, 64, 8, 3), "ws"),
-    ((128, 256, 64, 8, 3), "ws"),
-    ((128, 256, 64, 8, 2), "ws"),
-    ((128, 128, 64, 4, 4), "ws"),
+CONFIGS = [  # BM, BN, BK, warps, stages
+    (128, 256, 64, 8, 4),
+    (128, 256, 64, 8, 3),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 4, 3),
+    (128, 128, 128, 8, 3),
 ]
 VARIANTS = {"stats": {}, "stats+untempered": dict(untempered=True)}
 
@@ -75,13 +70,12 @@ def run(c, reps):
     rec("cublas fp32 out", _time(lambda: torch.mm(a, b.T, out_dtype=torch.float32, out=z), reps))
     ref = z.clone()
     inv_t = 0.5
-    for cfg, pers in CONFIGS:
+    for cfg in CONFIGS:
         for vname, kw in VARIANTS.items():
-            name = f"triton {cfg} {pers or 'grid'} {vname}"
+            name = f"triton {cfg} {vname}"
             try:
-                def fn(cfg=cfg, kw=kw, pers=pers):
-                    return logits_and_stats(a, b, z, inv_t=inv_t, config=cfg, persistent=pers,
-                                            **kw)
+                def fn(cfg=cfg, kw=kw):
+                    return logits_and_stats(a, b, z, inv_t=inv_t, config=cfg, **kw)
                 z.fill_(float("nan"))
                 st = fn()
                 m, s = _ref_stats(ref, inv_t, cfg[1])

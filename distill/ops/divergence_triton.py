@@ -195,13 +195,11 @@ def _sparse_fwd_kernel(
     ce_ptr,  # (C,) fp32 out: cross-entropy of the untempered student (if WRITE_CE)
     labels_ptr,  # (C,) int64 hard labels (if HAS_CE)
     scale_ptr,  # (C,) fp32 row scale of the gradient (if HAS_SCALE)
-    sts_ptr, NT, plane_s,  # (P, C, NT) tile stats of the student logits (if STATS)
     V, K, stride_s, stride_d, stride_i, stride_l,
     inv_t, beta, ce_weight, factor, tail_floor,
     KIND: tl.constexpr, RENORM: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_CE: tl.constexpr,
     CE_GRAD: tl.constexpr, CE_SEP: tl.constexpr, WRITE_CE: tl.constexpr, HAS_SCALE: tl.constexpr,
-    NEED_GRAD: tl.constexpr, ALIAS: tl.constexpr, STATS: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    NEED_GRAD: tl.constexpr, ALIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     zs_row = zs_ptr + row * stride_s
@@ -211,11 +209,7 @@ def _sparse_fwd_kernel(
     ninf = float("-inf")
     zero = tl.zeros((), tl.float32)
     ms, ss, m1, s1 = zero + ninf, zero, zero + ninf, zero
-    if STATS:  # pass 1 was done per tile by the GEMM's epilogue
-        ms, ss = _merge_tiles(sts_ptr + row * NT, plane_s, NT, BLOCK_T)
-        if CE_SEP:
-            m1, s1 = _merge_tiles(sts_ptr + row * NT + 2 * plane_s, plane_s, NT, BLOCK_T)
-    for i in range(0, 0 if STATS else nb):  # pass 1: normalizers of softmax(zs / T) (& zs)
+    for i in range(0, nb):  # pass 1: normalizers of softmax(zs / T) (and of softmax(zs))
         idx = i * BLOCK + offs
         zs = tl.load(zs_row + idx, mask=idx < V, other=ninf)
         ms, ss = _online(ms, ss, zs * inv_t)
@@ -332,8 +326,8 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
     (see `_grad_out`). zt: (C, V) fp32 teacher logits, or target_ids / target_logprobs
     (C, K). `row_scale` (C,) multiplies each gradient row (the token weights);
     `grad_dtype` is the gradient's dtype; `ce_out` (C,) fp32 receives each row's
-    cross-entropy when given. `stats`: (student, teacher) tile statistics from
-    `logits_gemm.logits_and_stats` (teacher None when cached), which replace the first pass.
+    cross-entropy when given. `stats` (live teacher only): the (student, teacher) tile
+    statistics from `logits_gemm.logits_and_stats`, which replace the first pass.
     `grad_out`: a (C, V) tensor to write the gradient into instead of over zs.
     """
     c, v = zs.shape
@@ -355,15 +349,8 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
         HAS_CE=has_ce, CE_GRAD=has_ce and bool(spec.ce_weight) and need_grad,
         CE_SEP=has_ce and spec.temperature != 1.0, WRITE_CE=has_ce and ce_out is not None,
         HAS_SCALE=row_scale is not None, NEED_GRAD=need_grad,
-        ALIAS=grad_out is None and dz.dtype != zs.dtype, STATS=stats is not None,
+        ALIAS=grad_out is None and dz.dtype != zs.dtype,
     )
-    st_s, st_t = stats if stats is not None else (loss, None)
-    nt = st_s.shape[-1] if stats is not None else 1
-    planes = 2 + 2 * flags["CE_SEP"]  # tempered (max, sum), untempered (max, sum)
-    if stats is not None and st_s.shape[0] < planes:
-        raise ValueError("the student's tile stats lack the untempered planes the CE needs")
-    tiles = (st_s, nt, st_s[0].numel() if stats is not None else 0)
-    block_t = min(1024, triton.next_power_of_2(nt))
     ptrs = (loss, ce_out if ce_out is not None else loss,
             labels if labels is not None else loss,
             row_scale.float() if row_scale is not None else loss)
@@ -371,25 +358,31 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
                spec.divergence_factor)
     if live:
         block, warps = CONFIG["live"]
-        st_t = st_t if st_t is not None else loss
+        # tile stats: (student, teacher) tensors, pointer and plane size of each
+        st_s, st_t = stats if stats is not None else (loss, loss)
+        nt = st_s.shape[-1] if stats is not None else 1
+        if stats is not None and st_s.shape[0] < 2 + 2 * flags["CE_SEP"]:
+            raise ValueError("the student's tile stats lack the untempered planes of the CE")
+        planes = (st_s[0].numel(), st_t[0].numel()) if stats is not None else (0, 0)
         _live_fwd_kernel[(c,)](
-            zs, zt, dz, *ptrs, *tiles, st_t, st_t[0].numel() if stats else 0,
+            zs, zt, dz, *ptrs, st_s, nt, planes[0], st_t, planes[1],
             v, zs.stride(0), zt.stride(0), dz.stride(0), *scalars,
             KIND=kind, BLOCK=min(block, triton.next_power_of_2(v)), num_warps=warps,
-            BLOCK_T=block_t, **flags,
+            STATS=stats is not None, BLOCK_T=min(1024, triton.next_power_of_2(nt)), **flags,
         )
     else:
+        if stats is not None:
+            raise ValueError("tile stats are for a live teacher; cached rows take none")
         k = target_ids.shape[1]
         if k > MAX_K:
             raise ValueError(f"K={k} cached ids per row: the Triton kernel holds at most "
                              f"{MAX_K} in registers")
         block, warps = CONFIG["sparse"]
         _sparse_fwd_kernel[(c,)](
-            zs, dz, target_ids, target_logprobs, *ptrs, *tiles, v, k, zs.stride(0),
-            dz.stride(0),
+            zs, dz, target_ids, target_logprobs, *ptrs, v, k, zs.stride(0), dz.stride(0),
             target_ids.stride(0), target_logprobs.stride(0), *scalars, TAIL_FLOOR,
             KIND=kind, RENORM=spec.sparse_mode == "renormalize", HAS_TAIL=k < v,
             BLOCK=min(block, triton.next_power_of_2(v)), BLOCK_K=triton.next_power_of_2(k),
-            BLOCK_T=block_t, num_warps=warps, **flags,
+            num_warps=warps, **flags,
         )
     return loss, dz if need_grad else None

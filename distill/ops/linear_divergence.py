@@ -138,7 +138,11 @@ def _fold(dz, h, ws, grad_h, grad_w, first):
 
 def _use_stats_gemm(backend, hs, ws, targets: Targets, student_head) -> bool:
     """Whether the logits come from the Triton GEMM that also emits the softmax stats."""
-    if backend != "triton" or student_head is not None or targets.teacher_head is not None:
+    # Live teacher only: for cached targets pass 1 reads 4 B per logit, less than the
+    # Triton GEMM costs over cuBLAS (docs/notes/kernels.md).
+    if backend != "triton" or targets.teacher_hidden is None:
+        return False
+    if student_head is not None or targets.teacher_head is not None:
         return False
     if os.environ.get("DISTILL_STATS_GEMM", "1") == "0":
         return False

@@ -19,7 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages; measured on an H200 at H = 4096,
 # V = 128256 by scripts/bench_gemm.py (docs/notes/kernels.md)
-CONFIG = {"gemm": (128, 256, 64, 8, 4), "persistent": None}
+CONFIG = {"gemm": (128, 256, 64, 8, 4)}
 
 
 @triton.jit
@@ -75,30 +75,6 @@ def _logits_stats_kernel(
               BM, BN)
 
 
-@triton.jit
-def _logits_stats_persistent(
-    a_desc, b_desc, z_ptr, stride_z, st_ptr, C, V, H, NT, inv_t,
-    UNTEMPERED: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-):
-    """The same, one program per SM walking the tiles (the next tile's loads overlap the
-    epilogue of the current one)."""
-    num_m = tl.cdiv(C, BM)
-    k_tiles = tl.cdiv(H, BK)
-    for tile in tl.range(tl.program_id(0), num_m * NT, NUM_SMS, flatten=True,
-                         warp_specialize=WARP_SPECIALIZE):
-        pid_m = tile % num_m
-        pid_n = tile // num_m
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, k_tiles):
-            a = a_desc.load([pid_m * BM, k * BK])
-            b = b_desc.load([pid_n * BN, k * BK])
-            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-        _epilogue(acc, z_ptr, stride_z, st_ptr, C, V, NT, inv_t, pid_m * BM, pid_n,
-                  UNTEMPERED, BM, BN)
-
-
 def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the Triton GEMM takes these operands (TMA: 16-byte aligned rows)."""
     ok_dtype = hidden.dtype == weight.dtype and hidden.dtype in (
@@ -108,14 +84,9 @@ def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
         and t.data_ptr() % 16 == 0 for t in (hidden, weight))
 
 
-def logits_and_stats(hidden, weight, out, *, inv_t=1.0, untempered=False, config=None,
-                     persistent=None):
-    """z = hidden @ weight.T into the fp32 `out` (C, V); returns the (P, C, NT) stats.
-
-    `persistent`: None for one program per tile, else "flat" or "ws" (warp-specialized).
-    """
+def logits_and_stats(hidden, weight, out, *, inv_t=1.0, untempered=False, config=None):
+    """z = hidden @ weight.T into the fp32 `out` (C, V); returns the (P, C, NT) stats."""
     bm, bn, bk, warps, stages = config or CONFIG["gemm"]
-    persistent = persistent if persistent is not None else CONFIG.get("persistent")
     c, h = hidden.shape
     v = weight.shape[0]
     nt = triton.cdiv(v, bn)
@@ -128,11 +99,5 @@ def logits_and_stats(hidden, weight, out, *, inv_t=1.0, untempered=False, config
     args = (a_desc, b_desc, out, out.stride(0), stats, c, v, h, nt, inv_t)
     meta = dict(UNTEMPERED=untempered, BM=bm, BN=bn, BK=bk, num_warps=warps,
                 num_stages=stages, PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32")
-    tiles = triton.cdiv(c, bm) * nt
-    if persistent:
-        sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count
-        _logits_stats_persistent[(min(sms, tiles),)](
-            *args, NUM_SMS=sms, WARP_SPECIALIZE=persistent == "ws", **meta)
-    else:
-        _logits_stats_kernel[(tiles,)](*args, **meta)
+    _logits_stats_kernel[(triton.cdiv(c, bm) * nt,)](*args, **meta)
     return stats
