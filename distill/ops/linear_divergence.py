@@ -2,9 +2,14 @@
 
 For each chunk of trained rows: project student (and teacher) hidden states to fp32
 logits, let the row kernel compute the loss and d loss / d logits (Triton on CUDA, the
-PyTorch math in `divergence_torch.py` on CPU), then fold that gradient straight into
-d hidden and d weight. Only (chunk x V) logits exist at any time. Because the op knows the
-per-token weights up front, backward only scales the stored gradients by grad_output.
+PyTorch math in `divergence_torch.py` on CPU), then fold that gradient into d hidden and
+d weight. Only (chunk x V) logits exist at any time. Because the op knows the per-token
+weights up front, backward only scales the stored gradients by grad_output.
+
+On CUDA with a live teacher the logits come from `logits_gemm` (a Triton GEMM whose
+epilogue also emits per-tile softmax statistics, so the row kernel reads each row once),
+and the gradients of FOLD_GROUP chunks are folded together. Elsewhere the GEMMs are
+cuBLAS / PyTorch and the gradient is written over the chunk's logits.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ import torch
 from distill.losses.spec import HeadTransform
 from distill.ops.divergence_torch import rows_loss_and_grad as torch_rows
 
-# fp32 logits per chunk the op may hold (student + teacher), in bytes. The row kernel
-# writes the gradient over them, so this is (nearly) all the op's memory beyond the grads.
+# Bytes the op may hold per chunk: fp32 logits (student + teacher) and, when chunks are
+# folded in groups, the group's gradient buffer; (nearly) all its memory beyond the grads.
 CHUNK_BUDGET_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
 # With a live teacher, the gradients of FOLD_GROUP consecutive chunks go to one buffer and
 # meet the weight in one GEMM of K = FOLD_GROUP x chunk rows: fewer read-modify-writes of

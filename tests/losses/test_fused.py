@@ -137,3 +137,19 @@ def test_head_extras_bias_scale_softcap(kind):
     got, ref = run(torch.float32), run(torch.float64)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-6)
+
+
+def test_weight_grad_is_taken_not_copied_and_second_backward_is_refused():
+    """An uncut head gets the op's gradient tensor itself (no slice view routing it through
+    a weight-sized zero buffer, no clone); a second backward says why it cannot work."""
+    x = make_inputs(n=12, v=50, hs=8, ht=8)
+    ws = x["student_weight"].clone().requires_grad_(True)
+    hs = x["student_hidden"].clone().requires_grad_(True)
+    loss = linear_divergence(hs, ws, teacher_hidden=x["teacher_hidden"],
+                             teacher_weight=x["teacher_weight"], kind="forward_kl")
+    assert loss.grad_fn.next_functions[1][0].name().endswith("AccumulateGrad")
+    loss.backward(retain_graph=True)
+    ref = ws.grad.clone()
+    with pytest.raises(RuntimeError, match="backward through the same loss twice"):
+        loss.backward()
+    torch.testing.assert_close(ws.grad, ref)
