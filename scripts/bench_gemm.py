@@ -21,14 +21,18 @@ import triton
 from distill.ops.logits_gemm import logits_and_stats
 
 H, V = 4096, 128256
-CONFIGS = [  # BM, BN, BK, warps, stages
-    (128, 256, 64, 8, 4),
-    (128, 256, 64, 8, 3),
-    (128, 128, 64, 8, 3),
-    (128, 128, 64, 4, 3),
-    (128, 128, 128, 8, 3),
+CONFIGS = [  # (BM, BN, BK, warps, stages), tma_store
+    ((128, 256, 64, 8, 4), 0),
+    ((128, 256, 64, 8, 4), 4),
+    ((128, 256, 64, 8, 3), 0),
+    ((128, 256, 64, 8, 3), 2),
+    ((128, 256, 64, 8, 3), 4),
+    ((128, 128, 64, 4, 3), 0),
+    ((128, 128, 64, 4, 3), 2),
+    ((128, 128, 64, 8, 4), 1),
+    ((128, 128, 64, 8, 4), 2),
 ]
-VARIANTS = {"stats": {}, "stats+untempered": dict(untempered=True)}
+VARIANTS = {"stats": {}}
 
 
 def _time(fn, reps):
@@ -70,12 +74,13 @@ def run(c, reps):
     rec("cublas fp32 out", _time(lambda: torch.mm(a, b.T, out_dtype=torch.float32, out=z), reps))
     ref = z.clone()
     inv_t = 0.5
-    for cfg in CONFIGS:
+    for cfg, tma in CONFIGS:
         for vname, kw in VARIANTS.items():
-            name = f"triton {cfg} {vname}"
+            name = f"triton {cfg} tma_store={tma} {vname}"
             try:
-                def fn(cfg=cfg, kw=kw):
-                    return logits_and_stats(a, b, z, inv_t=inv_t, config=cfg, **kw)
+                def fn(cfg=cfg, kw=kw, tma=tma):
+                    return logits_and_stats(a, b, z, inv_t=inv_t, config=cfg, tma_store=tma,
+                                            **kw)
                 z.fill_(float("nan"))
                 st = fn()
                 m, s = _ref_stats(ref, inv_t, cfg[1])

@@ -26,19 +26,23 @@ from distill.losses import linear_divergence  # noqa: E402
 
 # name -> (env switches, chunk_size or None, kind, cached?)
 BASE = dict(DISTILL_STATS_GEMM="0", DISTILL_FOLD_GROUP="1")
-STATS = dict(DISTILL_STATS_GEMM="1", DISTILL_FOLD_GROUP="1")
 DEFAULT = dict(DISTILL_STATS_GEMM="1", DISTILL_FOLD_GROUP="2")
 # name -> (env switches, chunk_size or None, kind, cached?)
 VARIANTS = {
+    "default": (DEFAULT, None, "forward_kl", False),
+    "tma store 4 (128,256,64,8,4)": (dict(DEFAULT, DISTILL_GEMM_CONFIG="128,256,64,8,4,4"),
+                                     None, "forward_kl", False),
+    "tma store 2 (128,256,64,8,3)": (dict(DEFAULT, DISTILL_GEMM_CONFIG="128,256,64,8,3,2"),
+                                     None, "forward_kl", False),
+    "tma store 4 (128,256,64,8,3)": (dict(DEFAULT, DISTILL_GEMM_CONFIG="128,256,64,8,3,4"),
+                                     None, "forward_kl", False),
+    "tma store 2 (128,128,64,4,3)": (dict(DEFAULT, DISTILL_GEMM_CONFIG="128,128,64,4,3,2"),
+                                     None, "forward_kl", False),
     "base: cuBLAS, 3-pass rows, fold 1": (BASE, None, "forward_kl", False),
-    "stats GEMM, fold 1": (STATS, None, "forward_kl", False),
-    "default (stats GEMM, fold 2)": (DEFAULT, None, "forward_kl", False),
-    "default, chunk 768": (DEFAULT, 768, "forward_kl", False),
-    "default, reverse_kl": (DEFAULT, None, "reverse_kl", False),
-    "default, jsd": (DEFAULT, None, "jsd", False),
-    "base cached": (BASE, None, "forward_kl", True),
-    "default cached": (DEFAULT, None, "forward_kl", True),
 }
+
+
+ENV_KEYS = ("DISTILL_STATS_GEMM", "DISTILL_FOLD_GROUP", "DISTILL_GEMM_CONFIG")
 
 
 def make_fn(x, env, chunk, kind, cached):
@@ -47,6 +51,8 @@ def make_fn(x, env, chunk, kind, cached):
               else dict(teacher_hidden=x["ht"], teacher_weight=x["wt"]))
 
     def fn():
+        for k in ENV_KEYS:
+            os.environ.pop(k, None)
         os.environ.update(env)
         linear_divergence(hs, ws, kind=kind, chunk_size=chunk, **target).backward()
     return fn

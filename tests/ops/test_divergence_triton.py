@@ -94,16 +94,21 @@ def test_rows_match_the_torch_rows(triton_kernels):
     torch.testing.assert_close(db, da, rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("temperature,untempered", [(1.0, False), (0.7, True), (2.0, True)])
-def test_logits_gemm_stats_match_float64(triton_kernels, temperature, untempered):
-    """The GEMM's logits and per-tile (max, sum of exp) on odd shapes."""
+@pytest.mark.parametrize("temperature,untempered,tma_store,odd",
+                         [(1.0, False, 0, 11), (0.7, True, 0, 11), (2.0, True, 2, 12),
+                          (1.0, False, 1, 11), (1.0, False, 4, 20)])
+def test_logits_gemm_stats_match_float64(triton_kernels, temperature, untempered, tma_store,
+                                         odd):
+    """The GEMM's logits and per-tile (max, sum of exp) on odd shapes, for each way of
+    storing the logits (V = 3 BN + 11 has unaligned rows: per-thread stores then)."""
     from distill.ops import logits_gemm
 
     bn = logits_gemm.CONFIG["gemm"][1] if DEVICE == "cuda" else 64
-    c, h, v = 37, 40, 3 * bn + 11  # partial row tile and partial last column tile
+    c, h, v = 37, 40, 3 * bn + odd  # partial row tile and partial last column tile
     hid, w = torch.randn(c, h, device=DEVICE), torch.randn(v, h, device=DEVICE) * 0.5
     z = torch.full((c, v), float("nan"), device=DEVICE)
-    st = logits_gemm.logits_and_stats(hid, w, z, inv_t=1 / temperature, untempered=untempered)
+    st = logits_gemm.logits_and_stats(hid, w, z, inv_t=1 / temperature, untempered=untempered,
+                                      tma_store=tma_store)
     ref = hid.double() @ w.double().T
     torch.testing.assert_close(z.double(), ref, rtol=1e-5, atol=1e-5)
     nt = -(-v // bn)
