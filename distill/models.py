@@ -73,7 +73,14 @@ def base_model(model: PreTrainedModel) -> torch.nn.Module:
 
 
 def final_hidden_states(model, input_ids, attention_mask=None, position_ids=None):
-    """(B, T, H) last hidden state after the final norm, without building logits."""
+    """(B, T, H) last hidden state after the final norm, without building logits.
+
+    `position_ids` mark packed rows (distill.data.pack): the model then gets no attention
+    mask, so that transformers builds a per-document causal mask from the position ids
+    (right padding is a document of its own, which no real token attends to).
+    """
+    if position_ids is not None:
+        attention_mask = None
     out = base_model(model)(input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids, use_cache=False)
     return out.last_hidden_state

@@ -92,6 +92,9 @@ class CachedTeacher(torch.nn.Module):
         """Refuse a cache written for another tokenizer, max length or data."""
         from distill.cache.plan import describe
 
+        if getattr(datamodule, "packing", False):
+            raise ValueError("a cached teacher's targets are stored per example, not per "
+                             "packed row: set data.packing=false to train on the cache")
         self.cache.check_tokenizer(tokenizer)
         self.cache.expect("max_length", int(datamodule.max_length))
         datamodule.setup("fit")

@@ -23,6 +23,9 @@ def cache_teacher_logits(cfg: DictConfig) -> dict:
     tokenizer = load_tokenizer(teacher.tokenizer_path)
     check_head_rows(teacher.model, len(tokenizer), "teacher")
     data = instantiate(cfg.data, tokenizer=tokenizer)
+    if getattr(data, "packing", False):
+        raise ValueError("the cache is written per example: run the caching job with "
+                         "data.packing=false (and train on it unpacked)")
     data.setup("fit")
     splits = {"train": data.train_set, "val": data.val_set}
     splits = {k: v for k, v in splits.items() if k in c.splits and v is not None}

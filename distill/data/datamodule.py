@@ -1,7 +1,8 @@
 """The LightningDataModule: sources -> tokenized datasets -> padded batches.
 
 Several training sources are mixed with `datasets.interleave_datasets` by their weights
-(e.g. SFT chat data with CPT text); validation sources are concatenated.
+(e.g. SFT chat data with CPT text); validation sources are concatenated. With
+`packing=True` the training examples are packed several per row (distill.data.pack).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from distill.data.collate import PadCollator
+from distill.data.pack import pack_dataset
 from distill.data.sources import load_source
 from distill.data.tokenize import tokenize_source
 
@@ -32,7 +34,7 @@ class DistillDataModule(L.LightningDataModule):
     def __init__(self, tokenizer, train: list, val: list | None = None, batch_size: int = 8,
                  val_batch_size: int | None = None, max_length: int = 512,
                  num_workers: int = 0, seed: int = 0, shuffle: bool = True,
-                 pad_to_multiple_of: int = 1):
+                 pad_to_multiple_of: int = 1, packing: bool = False):
         super().__init__()
         if not train:
             raise ValueError("data.train lists no source: add at least one {kind, path}")
@@ -40,7 +42,7 @@ class DistillDataModule(L.LightningDataModule):
         self.train_sources, self.val_sources = list(train), list(val or [])
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.max_length, self.num_workers, self.seed = max_length, num_workers, seed
-        self.shuffle = shuffle
+        self.shuffle, self.packing = shuffle, packing
         self.collate = PadCollator(tokenizer.pad_token_id, pad_to_multiple_of)
         self.train_set = self.val_set = None
 
@@ -48,6 +50,8 @@ class DistillDataModule(L.LightningDataModule):
         if self.train_set is None:
             self.train_set = build_dataset(self.train_sources, self.tokenizer,
                                            self.max_length, self.seed)
+            if self.packing:  # validation stays one example per row
+                self.train_set = pack_dataset(self.train_set, self.max_length)
         if self.val_set is None and self.val_sources:
             self.val_set = build_dataset(self.val_sources, self.tokenizer, self.max_length,
                                          self.seed, mix=False)
