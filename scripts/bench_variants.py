@@ -30,12 +30,9 @@ DEFAULT = dict(DISTILL_STATS_GEMM="1", DISTILL_FOLD_GROUP="2")
 # name -> (env switches, chunk_size or None, kind, cached?)
 VARIANTS = {
     "default": (DEFAULT, None, "forward_kl", False),
-    "(128,256,64,8,3)": (dict(DEFAULT, DISTILL_GEMM_CONFIG="128,256,64,8,3,0"), None,
-                         "forward_kl", False),
-    "(128,128,64,4,3) tma store 2": (dict(DEFAULT, DISTILL_GEMM_CONFIG="128,128,64,4,3,2"),
-                                     None, "forward_kl", False),
-    "(128,128,64,4,3)": (dict(DEFAULT, DISTILL_GEMM_CONFIG="128,128,64,4,3,0"), None,
-                         "forward_kl", False),
+    "fold 3 x 640": (dict(DEFAULT, DISTILL_FOLD_GROUP="3"), 640, "forward_kl", False),
+    "stats GEMM, fold 1 x 1024": (dict(DEFAULT, DISTILL_FOLD_GROUP="1"), None, "forward_kl",
+                                  False),
     "base: cuBLAS, 3-pass rows, fold 1": (BASE, None, "forward_kl", False),
 }
 
