@@ -138,6 +138,17 @@ class DistillModule(L.LightningModule):
             self.log("val/teacher_ppl", math.exp(min(self._teacher_val_ce, 50.0)))
 
     # --- optimizer, checkpoints -------------------------------------------------------
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
+                                    gradient_clip_algorithm=None):
+        # FSDP shards the gradients: only the wrapped module can take their global norm
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if (isinstance(self.trainer.strategy, FSDPStrategy) and gradient_clip_val
+                and gradient_clip_algorithm in (None, "norm")):
+            self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def configure_optimizers(self):
         params = [p for p in self.student.parameters() if p.requires_grad]
         optimizer = self.optimizer_factory(params=params)
