@@ -19,8 +19,24 @@ class ExportStudent(L.Callback):
         state = trainer.strategy.lightning_module_state_dict()
         if trainer.is_global_zero:
             student = {k.removeprefix("student."): v for k, v in state.items()
-                       if k.startswith("student.")}
+                       if k.startswith("student.") and k.removeprefix("student.")
+                       not in _tied_aliases(pl_module.student)}
             pl_module.student.save_pretrained(self.dirpath, state_dict=student)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(self.dirpath)
         self.saved_to = self.dirpath
+
+
+def _tied_aliases(model) -> set[str]:
+    """Names under which an already-named parameter appears again (tied embeddings).
+
+    A gathered FSDP state dict holds such a weight twice, as separate tensors; without
+    this, the export would keep a key that `save_pretrained` drops everywhere else.
+    """
+    seen, aliases = set(), set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name = name.replace("_fsdp_wrapped_module.", "")
+        if id(p) in seen:
+            aliases.add(name)
+        seen.add(id(p))
+    return aliases
