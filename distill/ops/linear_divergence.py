@@ -141,24 +141,52 @@ def _fold(dz, h, ws, grad_h, grad_w, first):
         grad_w.addmm_(dz.T.to(grad_w.dtype), h.to(grad_w.dtype))
 
 
-def _use_stats_gemm(backend, hs, ws, targets: Targets, student_head) -> bool:
-    """Whether the logits come from the Triton GEMM that also emits the softmax stats."""
+def _stats_gemm_options(backend, hs, ws, targets: Targets, spec, labels, ce_sum,
+                        student_head):
+    """(1 / T, untempered?) when the logits come from the Triton GEMM that also emits the
+    softmax stats (live teacher, no head transforms, operands it takes), else None."""
     # Live teacher only: for cached targets pass 1 reads 4 B per logit, less than the
     # Triton GEMM costs over cuBLAS (docs/notes/kernels.md).
     if backend != "triton" or targets.teacher_hidden is None:
-        return False
+        return None
     if student_head is not None or targets.teacher_head is not None:
-        return False
+        return None
     if os.environ.get("DISTILL_STATS_GEMM", "1") == "0":
-        return False
+        return None
     from distill.ops import logits_gemm
+    from distill.ops.divergence_triton import untempered_stats
 
-    pairs = [(hs, ws)]
-    if targets.teacher_hidden is not None:
-        pairs.append((targets.teacher_hidden, targets.teacher_weight))
     # auto on CUDA: 16-bit operands (fp32 stays on cuBLAS); asked for: any, e.g. tests on CPU
     fast = hs.dtype in _HALF or not hs.is_cuda
-    return fast and all(logits_gemm.supported(h, w) for h, w in pairs)
+    if not (fast and logits_gemm.supported(hs, ws)
+            and logits_gemm.supported(targets.teacher_hidden, targets.teacher_weight)):
+        return None
+    return 1.0 / spec.temperature, untempered_stats(spec, labels, ce_sum)
+
+
+def _take_rows(x: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
+    return x[sl] if x is not None else None
+
+
+def _chunk_logits(h, ws, targets: Targets, sl, zs_buf, zt_buf, student_head, stats_opts):
+    """One chunk's fp32 logits: (student, teacher or None, the student soft-cap's tanh or
+    None, the (student, teacher) tile stats or None)."""
+    c = h.shape[0]
+    if stats_opts is not None:
+        from distill.ops.logits_gemm import logits_and_stats
+
+        inv_t, untempered = stats_opts
+        zs, zt = zs_buf[:c], zt_buf[:c]
+        st_t = logits_and_stats(targets.teacher_hidden[sl], targets.teacher_weight, zt,
+                                inv_t=inv_t)
+        st_s = logits_and_stats(h, ws, zs, inv_t=inv_t, untempered=untempered)
+        return zs, zt, None, (st_s, st_t)
+    zs, us = _project(h, ws, student_head, zs_buf[:c])
+    zt = None
+    if targets.teacher_hidden is not None:
+        zt, _ = _project(targets.teacher_hidden[sl], targets.teacher_weight,
+                         targets.teacher_head, zt_buf[:c])
+    return zs, zt, us, None
 
 
 def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, chunk_size,
@@ -191,13 +219,8 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
     group = fold_group(live) if (in_kernel and need_grad and backend == "triton") else 1
     chunk = min(n, chunk_size or choose_chunk_size(n, vocab, live, hs.device, group,
                                                    gdtype.itemsize))
-    stats_gemm = _use_stats_gemm(backend, hs, ws, targets, student_head)
-    if stats_gemm:
-        from distill.ops.divergence_triton import untempered_stats
-        from distill.ops.logits_gemm import logits_and_stats
-
-        inv_t = 1.0 / spec.temperature
-        untempered = untempered_stats(spec, labels, ce_sum)
+    stats_opts = _stats_gemm_options(backend, hs, ws, targets, spec, labels, ce_sum,
+                                     student_head)
     # one buffer per model, reused by every chunk: memory stays flat in N
     zs_buf = torch.empty((chunk, vocab), dtype=torch.float32, device=hs.device)
     zt_buf = torch.empty_like(zs_buf) if live else None
@@ -208,25 +231,9 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
         fsl = slice(f0, min(n, f0 + fold))
         for start in range(f0, fsl.stop, chunk):
             sl = slice(start, min(fsl.stop, start + chunk))
-            c = sl.stop - start
-            h = hs[sl]
-            zt = stats = None
-            if stats_gemm:
-                st_t = None
-                if live:
-                    zt = zt_buf[:c]
-                    st_t = logits_and_stats(targets.teacher_hidden[sl], targets.teacher_weight,
-                                            zt, inv_t=inv_t)
-                zs = zs_buf[:c]
-                st_s = logits_and_stats(h, ws, zs, inv_t=inv_t, untempered=untempered)
-                stats, us = (st_s, st_t), None
-            else:
-                zs, us = _project(h, ws, student_head, zs_buf[:c])
-                if live:
-                    zt, _ = _project(targets.teacher_hidden[sl], targets.teacher_weight,
-                                     targets.teacher_head, zt_buf[:c])
-            ids = targets.ids[sl] if targets.ids is not None else None
-            lps = targets.logprobs[sl] if targets.logprobs is not None else None
+            c, h = sl.stop - start, hs[sl]
+            zs, zt, us, stats = _chunk_logits(h, ws, targets, sl, zs_buf, zt_buf,
+                                              student_head, stats_opts)
             lab = labels[sl] if labels is not None else None
             w = weights[sl]
             opts = dict(ce_out=ce_rows[:c] if (ce_sum is not None and lab is not None) else None)
@@ -236,7 +243,9 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
                 opts["stats"] = stats
             if dz_buf is not None:
                 opts["grad_out"] = dz_buf[start - f0:sl.stop - f0]
-            row_loss, dz = rows_fn(zs, zt, ids, lps, lab, spec, need_grad, **opts)
+            row_loss, dz = rows_fn(zs, zt, _take_rows(targets.ids, sl),
+                                   _take_rows(targets.logprobs, sl), lab, spec, need_grad,
+                                   **opts)
             loss += row_loss @ w
             if opts["ce_out"] is not None:
                 ce_sum += opts["ce_out"] @ w

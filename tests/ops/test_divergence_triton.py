@@ -55,6 +55,16 @@ def test_cached_topk(triton_kernels, op_path, kind, extra, sparse_mode):
     assert_close(got, ref, torch.float32)
 
 
+@pytest.mark.parametrize("kind,extra", KINDS)
+def test_several_folds(triton_kernels, op_path, kind, extra):
+    """Chunks of 4 rows folded in pairs: d weight is written by the first fold and
+    accumulated by the next ones, including a short last chunk and fold."""
+    x = make_inputs(n=43, v=203, hs=24, ht=16, ignore_frac=0.2, device=DEVICE)
+    got, ref = run_both(x, _triton, grad_scale=0.7, kind=kind, ce_weight=0.2, chunk_size=4,
+                        **extra)
+    assert_close(got, ref, torch.float32)
+
+
 def test_weights_every_row_trained_and_negative_grad_output(triton_kernels):
     x = make_inputs(ignore_frac=0.0, **SMALL)
     x["weights"] = torch.rand(13, device=DEVICE)
