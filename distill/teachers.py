@@ -92,13 +92,12 @@ class CachedTeacher(torch.nn.Module):
         """Refuse a cache written for another tokenizer, max length or data."""
         from distill.cache.plan import describe
 
-        if getattr(datamodule, "packing", False):
-            raise ValueError("a cached teacher's targets are stored per example, not per "
-                             "packed row: set data.packing=false to train on the cache")
         self.cache.check_tokenizer(tokenizer)
         self.cache.expect("max_length", int(datamodule.max_length))
         datamodule.setup("fit")
-        for split, ds in (("train", datamodule.train_set), ("val", datamodule.val_set)):
+        # the cache is per example: packed rows are checked by the examples they hold
+        train = getattr(datamodule, "train_examples", None) or datamodule.train_set
+        for split, ds in (("train", train), ("val", datamodule.val_set)):
             if ds is not None:
                 self.cache.check_split(split, describe(ds).fingerprint)
 

@@ -114,21 +114,41 @@ class TeacherCache:
     def batch_targets(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """target_ids (N, K) int32 and target_logprobs (N, K) fp32 for the flattened shifted
         positions of a padded batch; untrained rows hold id 0, log-prob 0 (the loss drops
-        them)."""
-        if "example_id" not in batch:
-            raise ValueError("a cached teacher needs batch['example_id'] to find its targets")
+        them). Packed rows (`example_ids` per row, `position_ids`) take each document's
+        targets at its own offset in the row."""
+        packed = "example_ids" in batch
+        if not packed and "example_id" not in batch:
+            raise ValueError("a cached teacher needs batch['example_id'] (or, for packed "
+                             "rows, 'example_ids') to find its targets")
         input_ids = batch["input_ids"].cpu()
         labels = batch["labels"].cpu()
-        mask = batch.get("attention_mask")
-        lengths = (mask.cpu().sum(1) if mask is not None
-                   else torch.full((len(input_ids),), input_ids.shape[1])).tolist()
         b, t = input_ids.shape
         ids = torch.zeros((b * (t - 1), self.top_k), dtype=torch.int32)
         lps = torch.zeros((b * (t - 1), self.top_k), dtype=torch.float32)
-        for i, eid in enumerate(batch["example_id"]):
-            n = int(lengths[i])
-            x, y = input_ids[i, :n].numpy(), labels[i, :n].numpy()
+        for i, (start, stop, eid) in enumerate_documents(batch):
+            x, y = input_ids[i, start:stop].numpy(), labels[i, start:stop].numpy()
             pos, e_ids, e_lps = self.example(eid, x, y)
-            rows = torch.from_numpy(pos.astype(np.int64)) + i * (t - 1)
+            rows = torch.from_numpy(pos.astype(np.int64)) + (i * (t - 1) + start)
             ids[rows], lps[rows] = e_ids, e_lps
         return ids, lps
+
+
+def enumerate_documents(batch: dict):
+    """(row, (start, stop, example id)) of every example in a batch: one per padded row, or
+    the documents of packed rows, told apart by where `position_ids` restart at 0."""
+    mask = batch.get("attention_mask")
+    t = batch["input_ids"].shape[1]
+    lengths = (mask.cpu().sum(1).tolist() if mask is not None
+               else [t] * len(batch["input_ids"]))
+    if "example_ids" not in batch:
+        for i, eid in enumerate(batch["example_id"]):
+            yield i, (0, int(lengths[i]), eid)
+        return
+    pos = batch["position_ids"].cpu()
+    for i, eids in enumerate(batch["example_ids"]):
+        starts = (pos[i, :int(lengths[i])] == 0).nonzero().flatten().tolist()
+        if len(starts) != len(eids):
+            raise ValueError(f"packed row {i} holds {len(starts)} documents by its "
+                             f"position_ids but lists {len(eids)} example_ids")
+        for start, stop, eid in zip(starts, [*starts[1:], int(lengths[i])], eids):
+            yield i, (start, stop, eid)

@@ -44,14 +44,16 @@ class DistillDataModule(L.LightningDataModule):
         self.max_length, self.num_workers, self.seed = max_length, num_workers, seed
         self.shuffle, self.packing = shuffle, packing
         self.collate = PadCollator(tokenizer.pad_token_id, pad_to_multiple_of)
-        self.train_set = self.val_set = None
+        self.train_set = self.val_set = self.train_examples = None
 
     def setup(self, stage: str | None = None):
         if self.train_set is None:
-            self.train_set = build_dataset(self.train_sources, self.tokenizer,
-                                           self.max_length, self.seed)
+            # one example per row; what a teacher cache is keyed by, packed or not
+            self.train_examples = build_dataset(self.train_sources, self.tokenizer,
+                                                self.max_length, self.seed)
+            self.train_set = self.train_examples
             if self.packing:  # validation stays one example per row
-                self.train_set = pack_dataset(self.train_set, self.max_length)
+                self.train_set = pack_dataset(self.train_examples, self.max_length)
         if self.val_set is None and self.val_sources:
             self.val_set = build_dataset(self.val_sources, self.tokenizer, self.max_length,
                                          self.seed, mix=False)

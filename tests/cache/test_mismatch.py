@@ -90,14 +90,3 @@ def test_the_job_refuses_a_folder_holding_another_cache(compose_cache, cache_k8)
     with pytest.raises(CacheMismatch, match="temperature"):
         cache_teacher_logits(compose_cache(cache_k8[0], "cache.top_k=8",
                                            "loss.temperature=2.0"))
-
-
-def test_packed_rows_are_refused_by_the_job_and_the_cached_teacher(compose_cache, cache_k8,
-                                                                     cached, data, tmp_path):
-    with pytest.raises(ValueError, match="data.packing=false"):
-        cache_teacher_logits(compose_cache(tmp_path / "c", "cache.top_k=8",
-                                           "data.packing=true"))
-    cfg, tok = data
-    dm = instantiate(cfg.data, tokenizer=tok, packing=True)
-    with pytest.raises(ValueError, match="data.packing=false"):
-        cached.check_data(dm, tok)

@@ -1,0 +1,59 @@
+"""A cached teacher with packed rows: each document gets its own cached targets."""
+
+from __future__ import annotations
+
+import torch
+from hydra.utils import instantiate
+
+from distill.cache.run import cache_teacher_logits
+from distill.models import load_tokenizer
+from distill.teachers import CachedTeacher
+from distill.train import train
+
+
+def _data(cfg, tok, packing):
+    dm = instantiate(cfg.data, tokenizer=tok, packing=packing)
+    dm.setup("fit")
+    return dm
+
+
+def test_packed_rows_get_each_documents_targets(compose_train, cache_k8, sharp_teacher,
+                                                tiny_assets, tmp_path):
+    cfg = compose_train(cache_k8[0], "cache.top_k=8", out=tmp_path)
+    tok = load_tokenizer(str(tiny_assets["student"]))
+    packed, plain = _data(cfg, tok, True), _data(cfg, tok, False)
+    cached = CachedTeacher(str(cache_k8[0]), str(sharp_teacher), top_k=8)
+    cached.check_data(packed, tok)  # checked by the examples the rows hold
+    rows = [packed.train_set[i] for i in range(3)]
+    assert all(len(r["example_ids"]) > 1 for r in rows)
+    by_id = {ex["example_id"]: ex for ex in plain.train_examples}
+    docs = [by_id[e] for r in rows for e in r["example_ids"]]
+    pb, ub = packed.collate(rows), plain.collate(docs)
+    p_ids, p_lps = (x.view(len(rows), -1, 8) for x in cached.cache.batch_targets(pb))
+    u_ids, u_lps = (x.view(len(docs), -1, 8) for x in cached.cache.batch_targets(ub))
+    k, covered = 0, torch.zeros(p_ids.shape[:2], dtype=torch.bool)
+    for i, r in enumerate(rows):
+        start = 0
+        for _ in r["example_ids"]:
+            n = len(docs[k]["input_ids"])  # its n - 1 positions predict its own next tokens
+            assert torch.equal(p_ids[i, start:start + n - 1], u_ids[k, :n - 1])
+            assert torch.equal(p_lps[i, start:start + n - 1], u_lps[k, :n - 1])
+            assert torch.equal(u_ids[k, n - 1:], torch.zeros_like(u_ids[k, n - 1:]))
+            covered[i, start:start + n - 1] = True
+            start, k = start + n, k + 1
+    assert (p_ids[covered] != 0).any()
+    # a document's last position predicts nothing (the next document's first token)
+    assert (p_ids[~covered] == 0).all() and (p_lps[~covered] == 0).all()
+
+
+def test_cache_job_ignores_packing_and_packed_offline_training_runs(compose_cache,
+                                                                    compose_train, cache_k8,
+                                                                    tmp_path):
+    # the same cache whether the data config packs or not: the job is per example
+    summary = cache_teacher_logits(compose_cache(cache_k8[0], "cache.top_k=8",
+                                                 "data.packing=true"))
+    assert summary["shards_written"] == 0  # every shard already there: the same cache
+    result = train(compose_train(cache_k8[0], "cache.top_k=8", "data.packing=true",
+                                 "trainer.max_steps=3", "evaluate=null", out=tmp_path))
+    assert result["global_step"] == 3
+    assert all(torch.isfinite(torch.tensor(v)) for v in result["metrics"].values())
