@@ -77,13 +77,25 @@ def final_hidden_states(model, input_ids, attention_mask=None, position_ids=None
 
     `position_ids` mark packed rows (distill.data.pack): the model then gets no attention
     mask, so that transformers builds a per-document causal mask from the position ids
-    (right padding is a document of its own, which no real token attends to).
+    (sdpa, eager, flex; right padding is a document of its own, which no real token
+    attends to). Flash attention finds the documents only in a batch of one row, so for it
+    the batch is flattened to (1, B * T) first.
     """
-    if position_ids is not None:
-        attention_mask = None
-    out = base_model(model)(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids, use_cache=False)
-    return out.last_hidden_state
+    base = base_model(model)
+    if position_ids is None:
+        return base(input_ids=input_ids, attention_mask=attention_mask,
+                    use_cache=False).last_hidden_state
+    b, t = input_ids.shape
+    if uses_flash_attention(model) and b > 1:
+        flat = base(input_ids=input_ids.reshape(1, b * t),
+                    position_ids=position_ids.reshape(1, b * t), use_cache=False)
+        return flat.last_hidden_state.reshape(b, t, -1)
+    return base(input_ids=input_ids, position_ids=position_ids,
+                use_cache=False).last_hidden_state
+
+
+def uses_flash_attention(model) -> bool:
+    return str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
 
 
 def lm_head(model: PreTrainedModel) -> tuple[torch.Tensor, HeadTransform]:

@@ -23,10 +23,10 @@ def cache_teacher_logits(cfg: DictConfig) -> dict:
     tokenizer = load_tokenizer(teacher.tokenizer_path)
     check_head_rows(teacher.model, len(tokenizer), "teacher")
     data = instantiate(cfg.data, tokenizer=tokenizer)
+    # the cache is per example, whether training packs them (data.packing) or not
+    data.packing = False
     data.setup("fit")
-    # per example, whether training packs them (data.packing) or not
-    splits = {"train": getattr(data, "train_examples", None) or data.train_set,
-              "val": data.val_set}
+    splits = {"train": data.train_set, "val": data.val_set}
     splits = {k: v for k, v in splits.items() if k in c.splits and v is not None}
     settings = CacheSettings(dir=c.dir, top_k=c.top_k, dtype=c.dtype,
                              temperature=c.temperature, shard_size=c.shard_size,

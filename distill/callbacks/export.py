@@ -27,6 +27,9 @@ class ExportStudent(L.Callback):
         self.saved_to = self.dirpath
 
 
+_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
 def _tied_aliases(model) -> set[str]:
     """Names under which an already-named parameter appears again (tied embeddings).
 
@@ -35,7 +38,8 @@ def _tied_aliases(model) -> set[str]:
     """
     seen, aliases = set(), set()
     for name, p in model.named_parameters(remove_duplicate=False):
-        name = name.replace("_fsdp_wrapped_module.", "")
+        for wrapper in _WRAPPERS:  # FSDP, activation checkpointing, torch.compile
+            name = name.replace(wrapper, "")
         if id(p) in seen:
             aliases.add(name)
         seen.add(id(p))

@@ -30,6 +30,21 @@ def build_dataset(sources, tokenizer, max_length: int, seed: int, mix: bool = Tr
                                         seed=seed, stopping_strategy="first_exhausted")
 
 
+def check_packing_support() -> None:
+    """Packed rows rely on transformers building per-document masks from position_ids;
+    older versions build one causal mask over the whole row, without any error."""
+    import transformers
+
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError(
+            f"data.packing=true needs a transformers that masks packed documents apart "
+            f"from their position_ids (masking_utils.find_packed_sequence_indices); this is "
+            f"{transformers.__version__}: upgrade transformers or set data.packing=false"
+        ) from err
+
+
 class DistillDataModule(L.LightningDataModule):
     def __init__(self, tokenizer, train: list, val: list | None = None, batch_size: int = 8,
                  val_batch_size: int | None = None, max_length: int = 512,
@@ -43,6 +58,8 @@ class DistillDataModule(L.LightningDataModule):
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.max_length, self.num_workers, self.seed = max_length, num_workers, seed
         self.shuffle, self.packing = shuffle, packing
+        if packing:
+            check_packing_support()
         self.collate = PadCollator(tokenizer.pad_token_id, pad_to_multiple_of)
         self.train_set = self.val_set = self.train_examples = None
 

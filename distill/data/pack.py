@@ -1,11 +1,17 @@
 """Sequence packing: several tokenized examples per row, each with its own position ids.
 
-Rows are filled in dataset order (next fit) up to `max_length` tokens. A row keeps each
-document's labels as they were and restarts `position_ids` at 0 where a document begins.
-Hugging Face models given `position_ids` and no attention mask then attend only within a
-document (transformers' packed-sequence masks; flash-attention's varlen path), and
+Rows are filled in dataset order (next fit) up to `max_length` tokens, within each
+`datasets.map` batch of examples (1000 by default: the last row of each is left as it is).
+A row keeps each document's labels as they were and restarts `position_ids` at 0 where a
+document begins. Hugging Face models given `position_ids` and no attention mask then attend
+only within a document (transformers' packed-sequence masks for sdpa / eager / flex;
+flash-attention's varlen path, see `distill.models.final_hidden_states`), and
 `distill.normalization.batch_masks` drops the position that would predict the next
 document's first token.
+
+Cost: under sdpa or eager the per-document mask is a dense (B, 1, T, T) boolean tensor
+(512 MiB at B = 8, T = 8192), and a custom mask keeps sdpa off its flash kernel. At long
+rows packing pays off with `attn_implementation=flash_attention_2`.
 """
 
 from __future__ import annotations

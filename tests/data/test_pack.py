@@ -71,10 +71,13 @@ def test_collator_pads_a_packed_row_as_its_own_document():
     assert local_step_counts(masks).sequences == 3
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_row_equals_its_documents_alone(tiny_assets, attn):
+@pytest.mark.parametrize("attn,flatten", [("sdpa", False), ("eager", False), ("sdpa", True)])
+def test_packed_row_equals_its_documents_alone(tiny_assets, monkeypatch, attn, flatten):
     """Hidden states, loss and student gradients of a packed batch equal the unpacked ones
-    (the same documents, one per row, padded), under the valid_tokens policy."""
+    (the same documents, one per row, padded), under the valid_tokens policy. `flatten`
+    takes the flash-attention route (the batch as one (1, B * T) row) on sdpa."""
+    if flatten:
+        monkeypatch.setattr("distill.models.uses_flash_attention", lambda model: True)
     student = load_causal_lm(str(tiny_assets["student"]), dtype="float32",
                              attn_implementation=attn)
     teacher = load_causal_lm(str(tiny_assets["teacher"]), dtype="float32",
@@ -131,3 +134,14 @@ def test_packing_trains_end_to_end(compose_cfg):
     summary = train(cfg)
     assert summary["global_step"] == 4
     assert all(torch.isfinite(torch.tensor(v)) for v in summary["metrics"].values())
+
+
+def test_packing_needs_a_transformers_that_masks_documents(monkeypatch):
+    import transformers.masking_utils
+
+    from distill.data.datamodule import check_packing_support
+
+    check_packing_support()
+    monkeypatch.delattr(transformers.masking_utils, "find_packed_sequence_indices")
+    with pytest.raises(RuntimeError, match="upgrade transformers or set data.packing=false"):
+        check_packing_support()

@@ -148,7 +148,11 @@ def test_weight_grad_is_taken_not_copied_and_second_backward_is_refused():
     loss = linear_divergence(hs, ws, teacher_hidden=x["teacher_hidden"],
                              teacher_weight=x["teacher_weight"], kind="forward_kl")
     assert loss.grad_fn.next_functions[1][0].name().endswith("AccumulateGrad")
+    returned = []
+    # (the pointer only: holding the tensor would itself make autograd copy it)
+    loss.grad_fn.register_hook(lambda grad_in, _: returned.append(grad_in[1].data_ptr()))
     loss.backward(retain_graph=True)
+    assert ws.grad.data_ptr() == returned[0]  # the op's tensor became .grad, no copy
     ref = ws.grad.clone()
     with pytest.raises(RuntimeError, match="backward through the same loss twice"):
         loss.backward()

@@ -106,11 +106,12 @@ def test_rows_match_the_torch_rows(triton_kernels):
 
 @pytest.mark.parametrize("temperature,untempered,tma_store,odd",
                          [(1.0, False, 0, 11), (0.7, True, 0, 11), (2.0, True, 2, 12),
-                          (1.0, False, 1, 11), (1.0, False, 4, 20)])
+                          (1.0, False, 1, 16), (1.0, False, 4, 20)])
 def test_logits_gemm_stats_match_float64(triton_kernels, temperature, untempered, tma_store,
                                          odd):
     """The GEMM's logits and per-tile (max, sum of exp) on odd shapes, for each way of
-    storing the logits (V = 3 BN + 11 has unaligned rows: per-thread stores then)."""
+    storing the logits (V = 3 BN + 11 has unaligned rows: per-thread stores then; the
+    others are aligned, so the TMA stores run)."""
     from distill.ops import logits_gemm
 
     bn = logits_gemm.CONFIG["gemm"][1] if DEVICE == "cuda" else 64
@@ -134,6 +135,15 @@ def test_logits_gemm_stats_match_float64(triton_kernels, temperature, untempered
         torch.testing.assert_close(st[2 * i].double(), m, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(st[2 * i + 1].double(), (a - m[..., None]).exp().sum(-1),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_config_from_the_environment_is_checked(triton_kernels, monkeypatch):
+    from distill.ops import logits_gemm
+
+    monkeypatch.setenv("DISTILL_GEMM_CONFIG", "128,256,64,8,3")
+    x = torch.randn(4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="DISTILL_GEMM_CONFIG='128,256,64,8,3': give six"):
+        logits_gemm.logits_and_stats(x, x, torch.empty(4, 4, device=DEVICE))
 
 
 def test_all_ignored_gives_zero(triton_kernels):
