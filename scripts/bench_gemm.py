@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
 
 import torch
 import triton
 
-from distill.ops.logits_gemm import logits_and_stats
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_loss import _time  # noqa: E402
+
+from distill.ops.logits_gemm import logits_and_stats  # noqa: E402
 
 H, V = 4096, 128256
 CONFIGS = [  # (BM, BN, BK, warps, stages), tma_store
@@ -33,20 +36,6 @@ CONFIGS = [  # (BM, BN, BK, warps, stages), tma_store
     ((128, 128, 64, 8, 4), 2),
 ]
 VARIANTS = {"stats": {}}
-
-
-def _time(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 def _ref_stats(z, inv_t, bn):

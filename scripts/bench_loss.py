@@ -100,24 +100,31 @@ def _eager_fkl(hs, ws, ht, wt):
 _compiled_fkl = torch.compile(_eager_fkl)
 
 
-def measure(fn, leaves, reps):
-    """(median ms, peak MiB above inputs + grads)."""
-    def clear():
-        for t in leaves:
-            t.grad = None
+def clear_grads(leaves):
+    for t in leaves:
+        t.grad = None
 
-    clear()
-    fn()  # warm-up: compilation, autotuning, cuBLAS handles
-    clear()
+
+def peak_mib(fn, leaves):
+    """Warm `fn` up (compilation, autotuning, cuBLAS handles), then its peak memory in MiB
+    above the inputs and the gradients it leaves."""
+    clear_grads(leaves)
+    fn()
+    clear_grads(leaves)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fn()
     torch.cuda.synchronize()
     grads = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
-    peak = (torch.cuda.max_memory_allocated() - base - grads) / (1 << 20)
-    median = _time(fn, reps, before=clear, warm=False)
-    clear()
+    return (torch.cuda.max_memory_allocated() - base - grads) / (1 << 20)
+
+
+def measure(fn, leaves, reps):
+    """(median ms, peak MiB above inputs + grads)."""
+    peak = peak_mib(fn, leaves)
+    median = _time(fn, reps, before=lambda: clear_grads(leaves), warm=False)
+    clear_grads(leaves)
     return median, peak
 
 
@@ -221,17 +228,12 @@ def profile(bt, names=("GEMM floor (4 live)", "distill live forward_kl")):
     lines = [f"BT={bt}"]
     for name in names:
         fn, _ = methods(x, None)[name]
-
-        def clear():
-            for t in leaves:
-                t.grad = None
-
-        ms = _time(fn, 5, before=clear)
-        clear()
+        ms = _time(fn, 5, before=lambda: clear_grads(leaves))
+        clear_grads(leaves)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        clear()
+        clear_grads(leaves)
         kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
                          key=lambda e: e.time_range.start)
         busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3

@@ -53,45 +53,20 @@ def make_fn(x, env, chunk, kind, cached):
     return fn
 
 
-def one(fn, clear):
-    clear()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e)
-
-
 def run(bt, rounds, only):
     x = bench_loss.make_inputs(bt)
     leaves = [x["hs"], x["ws"]]
-
-    def clear():
-        for t in leaves:
-            t.grad = None
-
     fns = {"GEMM floor (4 live)": lambda: bench_loss._gemm_floor(x, True),
            "GEMM floor (3 cached)": lambda: bench_loss._gemm_floor(x, False)}
     for name, (env, chunk, kind, cached) in VARIANTS.items():
         if not only or any(s in name for s in only):
             fns[name] = make_fn(x, env, chunk, kind, cached)
-    mem = {}
-    for name, fn in fns.items():  # warm-up, compile, and the peak memory
-        clear()
-        fn()
-        clear()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        grads = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
-        mem[name] = (torch.cuda.max_memory_allocated() - base - grads) / (1 << 20)
+    mem = {name: bench_loss.peak_mib(fn, leaves) for name, fn in fns.items()}
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(one(fn, clear))
+            times[name].append(bench_loss._time(
+                fn, reps=1, before=lambda: bench_loss.clear_grads(leaves), warm=False))
     med = {k: statistics.median(v) for k, v in times.items()}
     rows = []
     for name in fns:
@@ -107,8 +82,7 @@ def ops_table(bt):
     x = bench_loss.make_inputs(bt)
     fn = make_fn(x, {}, None, "forward_kl", False)
     fn()
-    for t in (x["hs"], x["ws"]):
-        t.grad = None
+    bench_loss.clear_grads([x["hs"], x["ws"]])
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
