@@ -76,15 +76,22 @@ def test_weights_every_row_trained_and_negative_grad_output(triton_kernels):
 @pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
 def test_sparse_with_k_equal_v_equals_dense(triton_kernels, kind):
     x = make_inputs(n=9, v=97, hs=16, ht=16, device=DEVICE)
-    logp = torch.log_softmax(x["teacher_hidden"] @ x["teacher_weight"].T, -1)
-    ids = torch.arange(97, device=DEVICE).expand(9, 97).contiguous()
-    kw = dict(labels=x["labels"], kind=kind, backend="triton")
-    dense = linear_divergence(x["student_hidden"], x["student_weight"],
-                              teacher_hidden=x["teacher_hidden"],
-                              teacher_weight=x["teacher_weight"], **kw)
-    sparse = linear_divergence(x["student_hidden"], x["student_weight"], target_ids=ids,
-                               target_logprobs=logp, **kw)
+    sparse, dense = _all_ids_cached_and_live(x, kind=kind, backend="triton")
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-6)
+
+
+def _all_ids_cached_and_live(x, **kw):
+    """(loss with all V ids cached as targets, loss with the live teacher they come from)."""
+    n, v = x["student_hidden"].shape[0], x["student_weight"].shape[0]
+    device = x["student_hidden"].device
+    logp = torch.log_softmax(x["teacher_hidden"].float() @ x["teacher_weight"].float().T, -1)
+    ids = torch.arange(v, device=device).expand(n, v).contiguous()
+    student = (x["student_hidden"], x["student_weight"])
+    sparse = linear_divergence(*student, target_ids=ids, target_logprobs=logp,
+                               labels=x["labels"], **kw)
+    dense = linear_divergence(*student, teacher_hidden=x["teacher_hidden"],
+                              teacher_weight=x["teacher_weight"], labels=x["labels"], **kw)
+    return sparse, dense
 
 
 def test_rows_match_the_torch_rows(triton_kernels):
@@ -206,17 +213,9 @@ def test_gpu_ignored_chunks_sparse_equals_dense_and_fp32_weight_grad():
     assert_close(got, ref, torch.bfloat16)
     assert (got[1]["student_hidden"][:200] == 0).all()
     # K = V cached targets equal the dense teacher
-    v = 1000
-    y = make_inputs(n=70, v=v, hs=64, ht=64, device="cuda", dtype=torch.bfloat16)
-    logp = torch.log_softmax(y["teacher_hidden"].float() @ y["teacher_weight"].float().T, -1)
-    ids = torch.arange(v, device="cuda").expand(70, v).contiguous()
+    y = make_inputs(n=70, v=1000, hs=64, ht=64, device="cuda", dtype=torch.bfloat16)
     for kind in ("forward_kl", "reverse_kl", "jsd"):
-        kw = dict(labels=y["labels"], kind=kind)
-        dense = linear_divergence(y["student_hidden"], y["student_weight"],
-                                  teacher_hidden=y["teacher_hidden"],
-                                  teacher_weight=y["teacher_weight"], **kw)
-        sparse = linear_divergence(y["student_hidden"], y["student_weight"], target_ids=ids,
-                                   target_logprobs=logp, **kw)
+        sparse, dense = _all_ids_cached_and_live(y, kind=kind)
         torch.testing.assert_close(sparse, dense, rtol=1e-4, atol=1e-5)
 
 
