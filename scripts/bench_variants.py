@@ -24,16 +24,15 @@ import bench_loss  # noqa: E402
 
 from distill.losses import linear_divergence  # noqa: E402
 
-# name -> (env switches, chunk_size or None, kind, cached?)
 BASE = dict(DISTILL_STATS_GEMM="0", DISTILL_FOLD_GROUP="1")
-DEFAULT = dict(DISTILL_STATS_GEMM="1", DISTILL_FOLD_GROUP="2")
+DEFAULT = dict(DISTILL_STATS_GEMM="1")  # and each path's FOLD_GROUP
 # name -> (env switches, chunk_size or None, kind, cached?)
 VARIANTS = {
     "default": (DEFAULT, None, "forward_kl", False),
     "fold 3 x 640": (dict(DEFAULT, DISTILL_FOLD_GROUP="3"), 640, "forward_kl", False),
-    "stats GEMM, fold 1 x 1024": (dict(DEFAULT, DISTILL_FOLD_GROUP="1"), None, "forward_kl",
-                                  False),
-    "base: cuBLAS, 3-pass rows, fold 1": (BASE, None, "forward_kl", False),
+    "default, reverse_kl": (DEFAULT, None, "reverse_kl", False),
+    "default, jsd": (DEFAULT, None, "jsd", False),
+    "cached, cuBLAS (default)": (DEFAULT, None, "forward_kl", True),
 }
 
 
@@ -51,6 +50,13 @@ def make_fn(x, env, chunk, kind, cached):
         os.environ.update(env)
         linear_divergence(hs, ws, kind=kind, chunk_size=chunk, **target).backward()
     return fn
+
+
+def add_gemm_configs(configs):
+    """One forward_kl variant per DISTILL_GEMM_CONFIG value (BM,BN,BK,warps,stages,tma)."""
+    for cfg in configs:
+        VARIANTS[f"default, GEMM {cfg}"] = (dict(DEFAULT, DISTILL_GEMM_CONFIG=cfg), None,
+                                             "forward_kl", False)
 
 
 def run(bt, rounds, only):
@@ -99,9 +105,12 @@ def main():
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--only", nargs="*")
     p.add_argument("--ops", action="store_true")
+    p.add_argument("--gemm-config", nargs="*", default=[],
+                   help="also time the default with these DISTILL_GEMM_CONFIG values")
     p.add_argument("--out", type=Path, default=Path("bench_out/variants"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    add_gemm_configs(args.gemm_config)
     if args.ops:
         print(ops_table(args.bt[-1]))
     rows = [r for bt in args.bt for r in run(bt, args.rounds, args.only)]

@@ -11,7 +11,7 @@ import torch
 
 from distill.losses.spec import DivergenceSpec, HeadTransform
 from distill.losses.validation import check_inputs
-from distill.ops.linear_divergence import Targets, fused_rows
+from distill.ops.linear_divergence import Targets, fused_rows, resolve_backend
 
 
 class _LinearDivergence(torch.autograd.Function):
@@ -28,6 +28,7 @@ class _LinearDivergence(torch.autograd.Function):
         # instead of cloning a weight-sized tensor.
         ctx.grads = (grad_h, g_w, g_b if bias is not None else None)
         ctx.weight_dtype = ws.dtype
+        ctx.triton = resolve_backend(hs.device, opts["backend"]) == "triton"
         return loss
 
     @staticmethod
@@ -37,10 +38,17 @@ class _LinearDivergence(torch.autograd.Function):
                                "its gradients were computed once, in forward")
         grad_h, grad_w, grad_b = ctx.grads
         ctx.grads = None
-        if bool(grad_out != 1):  # scaled in place: a copy of grad_w would cost its size
-            for g in (grad_h, grad_w, grad_b):
-                if g is not None:
-                    g.mul_(grad_out.to(g.dtype))
+        # scaled in place (a copy of grad_w would cost its size), and only if
+        # grad_out != 1: on the Triton path a kernel reads grad_out on the device, so
+        # backward does not wait for the forward's GPU work (no host sync)
+        grads = [g for g in (grad_h, grad_w, grad_b) if g is not None]
+        if ctx.triton and all(g.is_contiguous() for g in grads):
+            from distill.ops import divergence_triton
+
+            divergence_triton.scale_(grads, grad_out)
+        elif bool(grad_out != 1):
+            for g in grads:
+                g.mul_(grad_out.to(g.dtype))
         grad_w = grad_w.to(ctx.weight_dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None
 

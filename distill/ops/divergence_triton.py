@@ -297,6 +297,34 @@ def _sparse_fwd_kernel(
         tl.store(dz_row + ids, gk_out.to(dz_ptr.dtype.element_ty), mask=kmask)
 
 
+@triton.jit
+def _scale_kernel(x_ptr, n, s_ptr, BLOCK: tl.constexpr):
+    """x *= s in place, s read on the device; when s == 1 nothing is read or written."""
+    s = tl.load(s_ptr).to(tl.float32)
+    if s != 1.0:
+        n64 = n.to(tl.int64)
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n64, step):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n64
+            x = tl.load(x_ptr + offs, mask=mask)
+            tl.store(x_ptr + offs, (x.to(tl.float32) * s).to(x.dtype), mask=mask)
+
+
+def scale_(tensors, scale: torch.Tensor, programs: int = 1024, block: int = 4096) -> None:
+    """Multiply contiguous tensors in place by the one-element tensor `scale` without
+    reading it on the host: backward's grad_output, so no host sync (1 is the usual value:
+    the programs then stop after one load)."""
+    s = scale.detach().reshape(1).float()
+    for x in tensors:
+        if x is None or x.numel() == 0:
+            continue
+        if not x.is_contiguous():
+            raise ValueError("scale_ takes contiguous tensors")
+        grid = (min(programs, triton.cdiv(x.numel(), block)),)
+        _scale_kernel[grid](x, x.numel(), s, BLOCK=block, num_warps=8)
+
+
 def _grad_out(zs: torch.Tensor, dtype: torch.dtype, backwards: bool) -> torch.Tensor:
     """Where the gradient goes: over zs itself (fp32) or into one half of each fp32 row.
 

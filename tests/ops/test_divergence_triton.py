@@ -57,8 +57,8 @@ def test_cached_topk(triton_kernels, op_path, kind, extra, sparse_mode):
 
 @pytest.mark.parametrize("kind,extra", KINDS)
 def test_several_folds(triton_kernels, op_path, kind, extra):
-    """Chunks of 4 rows folded in pairs: d weight is written by the first fold and
-    accumulated by the next ones, including a short last chunk and fold."""
+    """Chunks of 4 rows folded (2 at a time on the stats path): d weight is written by the
+    first fold and accumulated by the next ones, including a short last chunk and fold."""
     x = make_inputs(n=43, v=203, hs=24, ht=16, ignore_frac=0.2, device=DEVICE)
     got, ref = run_both(x, _triton, grad_scale=0.7, kind=kind, ce_weight=0.2, chunk_size=4,
                         **extra)
@@ -153,6 +153,29 @@ def test_gemm_config_from_the_environment_is_checked(triton_kernels, monkeypatch
         logits_gemm.logits_and_stats(x, x, torch.empty(4, 4, device=DEVICE))
 
 
+@pytest.mark.parametrize("value", [0.37, 1.0, -3.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_scale_in_place_reads_the_scale_on_the_device(triton_kernels, value, dtype):
+    """backward's grad_output scaling: x * s (s == 1 leaves x as it is), several blocks
+    per program (the grid-stride loop) and a partial last block."""
+    xs = [torch.randn(n, device=DEVICE).to(dtype) for n in (1000, 7, 0)]
+    want = [(x.double() * value).to(dtype) for x in xs]
+    before = [x.clone() for x in xs]
+    triton_kernels.scale_(xs + [None], torch.tensor(value, device=DEVICE), programs=3,
+                          block=64)
+    for x, w, b in zip(xs, want, before):
+        if value == 1.0:
+            assert torch.equal(x, b)
+        else:  # the product in fp32, rounded once more for fp16: one unit of the last place
+            torch.testing.assert_close(x, w, rtol=torch.finfo(dtype).eps, atol=0)
+
+
+def test_scale_in_place_refuses_strided_tensors(triton_kernels):
+    x = torch.randn(8, 6, device=DEVICE).T
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_kernels.scale_([x], torch.tensor(2.0, device=DEVICE))
+
+
 def test_all_ignored_gives_zero(triton_kernels):
     x = make_inputs(**SMALL)
     hs = x["student_hidden"].requires_grad_(True)
@@ -238,3 +261,23 @@ def test_gpu_deterministic_and_in_place_gradient_matches_torch_rows():
         assert torch.equal(outs[0][1], outs[1][1]) and torch.equal(outs[0][0], outs[1][0])
         torch.testing.assert_close(outs[0][0], la, rtol=1e-5, atol=1e-5)
         assert _rel(outs[0][1].float(), da) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_every_row_trained_never_waits_for_the_gpu():
+    """No labels, no weights (pretraining): neither forward nor backward synchronizes with
+    the GPU (backward's grad_output is read by a kernel), and the gradients stay right."""
+    x = make_inputs(dtype=torch.bfloat16, ignore_frac=0.0, **GPU_SHAPES)
+    del x["labels"]
+    leaves = {k: x[k].detach().clone().requires_grad_(True)
+              for k in ("student_hidden", "student_weight")}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync raises
+    try:
+        loss = linear_divergence(**{**x, **leaves}, kind="reverse_kl")
+        (loss * 0.25).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    got = (loss.detach(), {k: v.grad for k, v in leaves.items()})
+    ref = run_both(x, linear_divergence, grad_scale=0.25, kind="reverse_kl")[1]
+    assert_close(got, ref, torch.bfloat16)
