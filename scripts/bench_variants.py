@@ -1,9 +1,11 @@
 """A/B timing of the op's internal variants, interleaved so clock drift hits all alike.
 
 Each round times every variant once (CUDA events, grads cleared before each call), in
-turn; the table gives the median over rounds and the ratio to the GEMM floor timed in the
-same rounds. Variants set the op's switches (DISTILL_STATS_GEMM, DISTILL_FOLD_GROUP) and
-chunk size. Also prints which ATen ops launch the largest kernels (--ops).
+turn, starting one variant later than the round before (a variant's place in the round
+biases it otherwise); the table gives the median over rounds and the ratio to the GEMM
+floor timed in the same rounds. Variants set the op's switches (DISTILL_STATS_GEMM,
+DISTILL_FOLD_GROUP, DISTILL_GEMM_CONFIG) and chunk size. Also prints which ATen ops launch
+the largest kernels (--ops).
 
     python scripts/bench_variants.py --bt 4096 8192 --rounds 12
 """
@@ -30,6 +32,10 @@ DEFAULT = dict(DISTILL_STATS_GEMM="1")  # and each path's FOLD_GROUP
 VARIANTS = {
     "default": (DEFAULT, None, "forward_kl", False),
     "fold 3 x 640": (dict(DEFAULT, DISTILL_FOLD_GROUP="3"), 640, "forward_kl", False),
+    "GEMM 4 stages": (dict(DEFAULT, DISTILL_GEMM_CONFIG="128,256,64,8,4,0"), None,
+                      "forward_kl", False),
+    "GEMM 4 stages, fold 3 x 640": (dict(DEFAULT, DISTILL_GEMM_CONFIG="128,256,64,8,4,0",
+                                         DISTILL_FOLD_GROUP="3"), 640, "forward_kl", False),
     "default, reverse_kl": (DEFAULT, None, "reverse_kl", False),
     "default, jsd": (DEFAULT, None, "jsd", False),
     "cached, cuBLAS (default)": (DEFAULT, None, "forward_kl", True),
@@ -69,10 +75,13 @@ def run(bt, rounds, only):
             fns[name] = make_fn(x, env, chunk, kind, cached)
     mem = {name: bench_loss.peak_mib(fn, leaves) for name, fn in fns.items()}
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(rounds):
+        # each round starts one variant later: a variant's place in the round (after a
+        # hot or a cool one) would otherwise bias its time the same way every round
+        for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(bench_loss._time(
-                fn, reps=1, before=lambda: bench_loss.clear_grads(leaves), warm=False))
+                fns[name], reps=1, before=lambda: bench_loss.clear_grads(leaves), warm=False))
     med = {k: statistics.median(v) for k, v in times.items()}
     rows = []
     for name in fns:

@@ -21,7 +21,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages; measured on an H200 at H = 4096,
 # V = 128256 by scripts/bench_gemm.py (docs/notes/kernels.md)
-CONFIG = {"gemm": (128, 256, 64, 8, 3),
+CONFIG = {"gemm": (128, 256, 64, 8, 4),
           # logits store: 0 = per-thread stores; n = TMA stores of n column sub-tiles
           # (when the rows are 16-byte aligned)
           "tma_store": 0}
