@@ -23,6 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_loss import _time  # noqa: E402
 
+from distill.ops import logits_gemm  # noqa: E402
 from distill.ops.logits_gemm import logits_and_stats  # noqa: E402
 
 H, V = 4096, 128256
@@ -37,7 +38,9 @@ CONFIGS = [  # (BM, BN, BK, warps, stages), tma_store
     ((128, 128, 64, 4, 4), 0),
     ((128, 256, 128, 8, 2), 0),
 ]
-VARIANTS = {"stats": {}}
+# name -> (logits_and_stats options, the cross term's column slices)
+VARIANTS = {"stats": ({}, None), "stats+cross split 1": ("cross", 1),
+            "stats+cross split 2": ("cross", 2)}
 
 
 @triton.jit
@@ -97,7 +100,7 @@ def _ref_stats(z, inv_t, bn):
     return m, (a - m[..., None]).exp().sum(-1)
 
 
-def run(c, reps):
+def run(c, reps, configs):
     g = torch.Generator(device="cuda").manual_seed(c)
     a = (torch.randn(c, H, device="cuda", generator=g)).bfloat16()
     b = (torch.randn(V, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
@@ -113,9 +116,15 @@ def run(c, reps):
     rec("cublas fp32 out", _time(lambda: torch.mm(a, b.T, out_dtype=torch.float32, out=z), reps))
     ref = z.clone()
     inv_t = 0.5
-    for cfg, tma in CONFIGS:
-        for vname, kw in VARIANTS.items():
+    a2 = torch.randn(c, H, device="cuda", generator=g).bfloat16()  # a "student" for the cross
+    x = torch.empty_like(z)
+    for cfg, tma in configs:
+        x_stats = logits_and_stats(a2, b, x, inv_t=inv_t, config=cfg, tma_store=tma)
+        for vname, (kw, split) in VARIANTS.items():
             name = f"triton {cfg} tma_store={tma} {vname}"
+            if kw == "cross":
+                kw = dict(cross=(x, x_stats))
+                logits_gemm.CONFIG["cross_split"] = split
             try:
                 def fn(cfg=cfg, kw=kw, tma=tma):
                     return logits_and_stats(a, b, z, inv_t=inv_t, config=cfg, tma_store=tma,
@@ -148,9 +157,14 @@ def main():
     p.add_argument("--c", type=int, nargs="+", default=[640, 1024])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", type=Path, default=Path("bench_out/gemm"))
+    p.add_argument("--configs", nargs="*", help="BM,BN,BK,warps,stages,tma_store (default: all)")
     args = p.parse_args()
+    configs = CONFIGS
+    if args.configs:
+        configs = [(tuple(int(x) for x in t.split(",")[:5]), int(t.split(",")[5]))
+                   for t in args.configs]
     args.out.mkdir(parents=True, exist_ok=True)
-    res = {str(c): run(c, args.reps) for c in args.c}
+    res = {str(c): run(c, args.reps, configs) for c in args.c}
     res["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                       triton=triton.__version__)
     (args.out / "bench_gemm.json").write_text(json.dumps(res, indent=1))

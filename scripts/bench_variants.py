@@ -37,12 +37,15 @@ VARIANTS = {
     "GEMM 4 stages, fold 3 x 640": (dict(DEFAULT, DISTILL_GEMM_CONFIG="128,256,64,8,4,0",
                                          DISTILL_FOLD_GROUP="3"), 640, "forward_kl", False),
     "default, reverse_kl": (DEFAULT, None, "reverse_kl", False),
+    "reverse_kl, cross term in the row kernel": (dict(DEFAULT, DISTILL_RKL_CROSS="0"), None,
+                                                 "reverse_kl", False),
     "default, jsd": (DEFAULT, None, "jsd", False),
     "cached, cuBLAS (default)": (DEFAULT, None, "forward_kl", True),
 }
 
 
-ENV_KEYS = ("DISTILL_STATS_GEMM", "DISTILL_FOLD_GROUP", "DISTILL_GEMM_CONFIG")
+ENV_KEYS = ("DISTILL_STATS_GEMM", "DISTILL_FOLD_GROUP", "DISTILL_GEMM_CONFIG",
+            "DISTILL_RKL_CROSS")
 
 
 def make_fn(x, env, chunk, kind, cached):
