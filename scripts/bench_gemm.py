@@ -23,7 +23,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_loss import _time  # noqa: E402
 
-from distill.ops import logits_gemm  # noqa: E402
 from distill.ops.logits_gemm import logits_and_stats  # noqa: E402
 
 H, V = 4096, 128256
@@ -38,9 +37,7 @@ CONFIGS = [  # (BM, BN, BK, warps, stages), tma_store
     ((128, 128, 64, 4, 4), 0),
     ((128, 256, 128, 8, 2), 0),
 ]
-# name -> (logits_and_stats options, the cross term's column slices)
-VARIANTS = {"stats": ({}, None), "stats+cross split 1": ("cross", 1),
-            "stats+cross split 2": ("cross", 2)}
+VARIANTS = {"stats": {}}
 
 
 @triton.jit
@@ -116,15 +113,9 @@ def run(c, reps, configs):
     rec("cublas fp32 out", _time(lambda: torch.mm(a, b.T, out_dtype=torch.float32, out=z), reps))
     ref = z.clone()
     inv_t = 0.5
-    a2 = torch.randn(c, H, device="cuda", generator=g).bfloat16()  # a "student" for the cross
-    x = torch.empty_like(z)
     for cfg, tma in configs:
-        x_stats = logits_and_stats(a2, b, x, inv_t=inv_t, config=cfg, tma_store=tma)
-        for vname, (kw, split) in VARIANTS.items():
+        for vname, kw in VARIANTS.items():
             name = f"triton {cfg} tma_store={tma} {vname}"
-            if kw == "cross":
-                kw = dict(cross=(x, x_stats))
-                logits_gemm.CONFIG["cross_split"] = split
             try:
                 def fn(cfg=cfg, kw=kw, tma=tma):
                     return logits_and_stats(a, b, z, inv_t=inv_t, config=cfg, tma_store=tma,

@@ -54,21 +54,6 @@ def _merge_tiles(st_ptr, plane, NT, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _merge_cross(m_ptr, w_ptr, m_row, NT, BLOCK_T: tl.constexpr):
-    """sum over tiles of w_tile * exp(m_tile - m_row): per-tile sums of exp(a - m_tile) * f
-    rescaled to the row max (see logits_gemm's cross term)."""
-    offs = tl.arange(0, BLOCK_T)
-    acc = tl.zeros((), tl.float32)
-    for i in range(0, tl.cdiv(NT, BLOCK_T)):
-        idx = i * BLOCK_T + offs
-        mask = idx < NT
-        m = tl.load(m_ptr + idx, mask=mask, other=float("-inf"))
-        w = tl.load(w_ptr + idx, mask=mask, other=0.0)
-        acc += tl.sum(tl.where(mask, w * tl.exp(m - m_row), 0.0), 0)
-    return acc
-
-
-@triton.jit
 def _logaddexp(x, y):
     hi = tl.maximum(x, y)
     return hi + tl.log(1.0 + tl.exp(tl.minimum(x, y) - hi))
@@ -89,7 +74,7 @@ def _live_fwd_kernel(
     inv_t, beta, ce_weight, factor,
     KIND: tl.constexpr, HAS_CE: tl.constexpr, CE_GRAD: tl.constexpr, CE_SEP: tl.constexpr,
     WRITE_CE: tl.constexpr, HAS_SCALE: tl.constexpr, NEED_GRAD: tl.constexpr,
-    ALIAS: tl.constexpr, STATS: tl.constexpr, CROSS: tl.constexpr, BLOCK: tl.constexpr,
+    ALIAS: tl.constexpr, STATS: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -125,10 +110,7 @@ def _live_fwd_kernel(
         mt, st = _online(mt, st, a_t)
         if CE_SEP:
             m1, s1 = _online(m1, s1, zs)
-    if CROSS:  # the teacher GEMM's epilogue summed <q, log q - log p> per tile
-        w_rkl = _merge_cross(sts_ptr + row * NT, stt_ptr + row * NT + 2 * plane_t, ms, NT,
-                             BLOCK_T)
-    elif STATS and KIND == 1:
+    if STATS and KIND == 1:
         for i in range(0, nb):  # <q, log q - log p>, the normalizers known
             idx = i * BLOCK + offs
             mask = idx < V
@@ -409,15 +391,12 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
         nt = st_s.shape[-1] if stats is not None else 1
         if stats is not None and st_s.shape[0] < 2 + 2 * flags["CE_SEP"]:
             raise ValueError("the student's tile stats lack the untempered planes of the CE")
-        # the teacher's third plane: reverse KL's cross term (logits_and_stats(cross=...))
-        cross = stats is not None and kind == 1 and st_t.shape[0] > 2
         planes = (st_s[0].numel(), st_t[0].numel()) if stats is not None else (0, 0)
         _live_fwd_kernel[(c,)](
             zs, zt, dz, *ptrs, st_s, nt, planes[0], st_t, planes[1],
             v, zs.stride(0), zt.stride(0), dz.stride(0), *scalars,
             KIND=kind, BLOCK=min(block, triton.next_power_of_2(v)), num_warps=warps,
-            STATS=stats is not None, CROSS=cross,
-            BLOCK_T=min(1024, triton.next_power_of_2(nt)), **flags,
+            STATS=stats is not None, BLOCK_T=min(1024, triton.next_power_of_2(nt)), **flags,
         )
     else:
         if stats is not None:

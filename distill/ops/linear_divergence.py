@@ -143,9 +143,8 @@ def _fold(dz, h, ws, grad_h, grad_w, first):
 
 def _stats_gemm_options(backend, hs, ws, targets: Targets, spec, labels, ce_sum,
                         student_head):
-    """(1 / T, untempered?, cross?) when the logits come from the Triton GEMM that also
-    emits the softmax stats (live teacher, no head transforms, operands it takes), else
-    None. cross: reverse KL's cross term in the teacher GEMM's epilogue."""
+    """(1 / T, untempered?) when the logits come from the Triton GEMM that also emits the
+    softmax stats (live teacher, no head transforms, operands it takes), else None."""
     # Live teacher only: for cached targets pass 1 reads 4 B per logit, less than the
     # Triton GEMM costs over cuBLAS (docs/notes/kernels.md).
     if backend != "triton" or targets.teacher_hidden is None:
@@ -162,8 +161,7 @@ def _stats_gemm_options(backend, hs, ws, targets: Targets, spec, labels, ce_sum,
     if not (fast and logits_gemm.supported(hs, ws)
             and logits_gemm.supported(targets.teacher_hidden, targets.teacher_weight)):
         return None
-    cross = spec.kind == "reverse_kl" and os.environ.get("DISTILL_RKL_CROSS", "1") != "0"
-    return 1.0 / spec.temperature, untempered_stats(spec, labels, ce_sum), cross
+    return 1.0 / spec.temperature, untempered_stats(spec, labels, ce_sum)
 
 
 def _take_rows(x: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
@@ -177,13 +175,11 @@ def _chunk_logits(h, ws, targets: Targets, sl, zs_buf, zt_buf, student_head, sta
     if stats_opts is not None:
         from distill.ops.logits_gemm import logits_and_stats
 
-        inv_t, untempered, cross = stats_opts
+        inv_t, untempered = stats_opts
         zs, zt = zs_buf[:c], zt_buf[:c]
-        st_s = logits_and_stats(h, ws, zs, inv_t=inv_t, untempered=untempered)
-        # reverse KL: the teacher's epilogue also sums <q, log q - log p> per tile, reading
-        # back the student logits just written (the row kernel then reads each row once)
         st_t = logits_and_stats(targets.teacher_hidden[sl], targets.teacher_weight, zt,
-                                inv_t=inv_t, cross=(zs, st_s) if cross else None)
+                                inv_t=inv_t)
+        st_s = logits_and_stats(h, ws, zs, inv_t=inv_t, untempered=untempered)
         return zs, zt, None, (st_s, st_t)
     zs, us = _project(h, ws, student_head, zs_buf[:c])
     zt = None

@@ -24,9 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 CONFIG = {"gemm": (128, 256, 64, 8, 4),
           # logits store: 0 = per-thread stores; n = TMA stores of n column sub-tiles
           # (when the rows are 16-byte aligned)
-          "tma_store": 0,
-          # reverse KL's cross term in the epilogue: in 1 or 2 column slices of the tile
-          "cross_split": 2}
+          "tma_store": 0}
 
 
 @triton.jit
@@ -68,42 +66,10 @@ def _store_logits(acc, z_ptr, stride_z, z_desc, off_m, off_n, rows64, cols, vali
 
 
 @triton.jit
-def _cross_part(a, x_ptr, stride_x, rows64, cols, valid, mx, inv_t):
-    """Per row: sum_j exp(x_j / T - mx) (x_j - a_j) / T over a slice of the tile, with x the
-    other model's logits (read back) and mx their tile max (of x / T)."""
-    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=valid, other=0.0)
-    xt = x * inv_t
-    e = tl.where(valid, tl.exp(xt - mx[:, None]), 0.0)
-    return tl.sum(e * (xt - a * inv_t), 1)
-
-
-@triton.jit
-def _cross(acc, x_ptr, stride_x, xst_ptr, rows64, rmask, off_n, C, V, NT, pid_n, inv_t,
-           BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
-    """Reverse KL's cross term of one tile, in SPLIT column slices (fewer live registers)."""
-    mx = tl.load(xst_ptr + rows64 * NT + pid_n, mask=rmask, other=0.0)
-    if SPLIT == 1:
-        cols = off_n + tl.arange(0, BN)
-        w = _cross_part(acc, x_ptr, stride_x, rows64, cols, rmask[:, None] & (cols < V)[None, :],
-                        mx, inv_t)
-    else:
-        a0, a1 = _halves(acc, BM, BN)
-        c0 = off_n + tl.arange(0, BN // 2)
-        c1 = c0 + BN // 2
-        w = _cross_part(a0, x_ptr, stride_x, rows64, c0, rmask[:, None] & (c0 < V)[None, :], mx,
-                        inv_t)
-        w += _cross_part(a1, x_ptr, stride_x, rows64, c1, rmask[:, None] & (c1 < V)[None, :], mx,
-                         inv_t)
-    return w
-
-
-@triton.jit
 def _epilogue(acc, z_ptr, stride_z, z_desc, st_ptr, C, V, NT, inv_t, off_m, pid_n,
-              x_ptr, stride_x, xst_ptr,
               UNTEMPERED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              TMA_STORE: tl.constexpr, CROSS: tl.constexpr):
-    """Store a (BM, BN) fp32 logits tile and its rows' (max, sum exp) for tile pid_n (and,
-    with CROSS, reverse KL's cross term against the logits x of the other model)."""
+              TMA_STORE: tl.constexpr):
+    """Store a (BM, BN) fp32 logits tile and its rows' (max, sum exp) for tile pid_n."""
     rows = off_m + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     rmask = rows < C
@@ -120,10 +86,6 @@ def _epilogue(acc, z_ptr, stride_z, z_desc, st_ptr, C, V, NT, inv_t, off_m, pid_
         m1, s1 = _tile_max_sum(acc, valid)
         tl.store(sp + 2 * plane, m1, mask=rmask)
         tl.store(sp + 3 * plane, s1, mask=rmask)
-    if CROSS > 0:
-        w = _cross(acc, x_ptr, stride_x, xst_ptr, rows64, rmask, pid_n * BN, C, V, NT, pid_n,
-                   inv_t, BM, BN, CROSS)
-        tl.store(sp + (2 + 2 * UNTEMPERED) * plane, w, mask=rmask)
 
 
 @triton.jit
@@ -131,11 +93,9 @@ def _logits_stats_kernel(
     a_desc, b_desc,  # (C, H) hidden, (V, H) weight: TMA descriptors
     z_ptr, stride_z, z_desc,  # (C, V) fp32 out (a descriptor too, if TMA_STORE)
     st_ptr,  # (P, C, NT) fp32 out
-    x_ptr, stride_x, xst_ptr,  # (C, V) fp32 logits of the other model, its stats (if CROSS)
     C, V, H, NT, inv_t,
     UNTEMPERED: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA_STORE: tl.constexpr,
-    CROSS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(C, BM)
@@ -148,7 +108,7 @@ def _logits_stats_kernel(
         b = b_desc.load([pid_n * BN, k * BK])
         acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
     _epilogue(acc, z_ptr, stride_z, z_desc, st_ptr, C, V, NT, inv_t, pid_m * BM, pid_n,
-              x_ptr, stride_x, xst_ptr, UNTEMPERED, BM, BN, TMA_STORE, CROSS)
+              UNTEMPERED, BM, BN, TMA_STORE)
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -175,15 +135,9 @@ def _parse_config(text: str):
     return tuple(values[:5]), values[5]
 
 
-def logits_and_stats(hidden, weight, out, *, inv_t=1.0, untempered=False, cross=None,
-                     config=None, tma_store=None):
-    """z = hidden @ weight.T into the fp32 `out` (C, V); returns the (P, C, NT) stats.
-
-    `cross`: (x, x_stats), the other model's fp32 logits (C, V) and the stats this function
-    returned for them (same config). Adds a plane with, per row and tile, reverse KL's cross
-    term sum_j exp(x_j / T - max_tile(x / T)) (x_j - z_j) / T, x the student: the row kernel
-    then needs no pass over the logits for <q, log q - log p>.
-    """
+def logits_and_stats(hidden, weight, out, *, inv_t=1.0, untempered=False, config=None,
+                     tma_store=None):
+    """z = hidden @ weight.T into the fp32 `out` (C, V); returns the (P, C, NT) stats."""
     env = os.environ.get("DISTILL_GEMM_CONFIG")  # "BM,BN,BK,warps,stages,tma_store" to tune
     if env and (config is None or tma_store is None):  # explicit arguments win
         env_config, env_store = _parse_config(env)
@@ -194,13 +148,8 @@ def logits_and_stats(hidden, weight, out, *, inv_t=1.0, untempered=False, cross=
     c, h = hidden.shape
     v = weight.shape[0]
     nt = triton.cdiv(v, bn)
-    planes = 2 + 2 * untempered + (cross is not None)
+    planes = 2 + 2 * untempered
     stats = torch.empty((planes, c, nt), dtype=torch.float32, device=hidden.device)
-    x, x_stats = cross if cross is not None else (out, stats)
-    if cross is not None and (x.shape != out.shape or x.stride(1) != 1
-                              or x_stats.shape[1:] != (c, nt)):
-        raise ValueError(f"cross: logits {tuple(x.shape)} with stats {tuple(x_stats.shape)} "
-                         f"do not match this GEMM's {tuple(out.shape)}, {nt} tiles per row")
     if c == 0:
         return stats
     a_desc = TensorDescriptor.from_tensor(hidden, [bm, bk])
@@ -208,10 +157,8 @@ def logits_and_stats(hidden, weight, out, *, inv_t=1.0, untempered=False, cross=
     if tma_store and not _tma_ok(out):
         tma_store = 0  # rows not 16-byte aligned: per-thread stores
     z_desc = TensorDescriptor.from_tensor(out, [bm, bn // max(tma_store, 1)]) if tma_store else 0
-    args = (a_desc, b_desc, out, out.stride(0), z_desc, stats, x, x.stride(0), x_stats, c, v,
-            h, nt, inv_t)
-    meta = dict(UNTEMPERED=untempered, BM=bm, BN=bn, BK=bk, TMA_STORE=tma_store,
-                CROSS=CONFIG["cross_split"] if cross is not None else 0, num_warps=warps,
+    args = (a_desc, b_desc, out, out.stride(0), z_desc, stats, c, v, h, nt, inv_t)
+    meta = dict(UNTEMPERED=untempered, BM=bm, BN=bn, BK=bk, TMA_STORE=tma_store, num_warps=warps,
                 num_stages=stages, PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32")
     _logits_stats_kernel[(triton.cdiv(c, bm) * nt,)](*args, **meta)
     return stats

@@ -144,36 +144,6 @@ def test_logits_gemm_stats_match_float64(triton_kernels, temperature, untempered
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("split,temperature,odd", [(1, 1.0, 11), (2, 0.6, 16)])
-def test_logits_gemm_cross_term_matches_float64(triton_kernels, monkeypatch, split,
-                                                temperature, odd):
-    """Reverse KL's cross term from the teacher GEMM's epilogue, per row and tile: sum_j
-    exp(zs_j / T - max_tile(zs / T)) (zs_j - zt_j) / T, with the student logits read back."""
-    from distill.ops import logits_gemm
-
-    monkeypatch.setitem(logits_gemm.CONFIG, "cross_split", split)
-    bn = logits_gemm.CONFIG["gemm"][1] if DEVICE == "cuda" else 64
-    c, v = 37, 3 * bn + odd
-    hs, ws = torch.randn(c, 40, device=DEVICE), torch.randn(v, 40, device=DEVICE) * 0.6
-    ht, wt = torch.randn(c, 24, device=DEVICE), torch.randn(v, 24, device=DEVICE) * 0.6
-    zs, zt = (torch.full((c, v), float("nan"), device=DEVICE) for _ in range(2))
-    inv_t = 1 / temperature
-    st_s = logits_gemm.logits_and_stats(hs, ws, zs, inv_t=inv_t)
-    st_t = logits_gemm.logits_and_stats(ht, wt, zt, inv_t=inv_t, cross=(zs, st_s))
-    nt = -(-v // bn)
-    assert st_t.shape == (3, c, nt)
-    a_s = (hs.double() @ ws.double().T) * inv_t
-    a_t = (ht.double() @ wt.double().T) * inv_t
-    pad = nt * bn - v
-    e_s = torch.nn.functional.pad(a_s, (0, pad), value=float("-inf")).view(c, nt, bn)
-    e_s = (e_s - e_s.amax(-1, keepdim=True)).exp()
-    diff = torch.nn.functional.pad(a_s - a_t, (0, pad)).view(c, nt, bn)
-    torch.testing.assert_close(st_t[2].double(), (e_s * diff).sum(-1), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(zt.double(), a_t / inv_t, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="cross: logits"):
-        logits_gemm.logits_and_stats(ht, wt, zt, inv_t=inv_t, cross=(zs[:5], st_s))
-
-
 def test_gemm_config_from_the_environment_is_checked(triton_kernels, monkeypatch):
     from distill.ops import logits_gemm
 
