@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
 from transformers import PreTrainedModel
 
+from distill.models import load_causal_lm
 from distill.teachers import LiveTeacher
+
+
+def trained_student(student, trainer, export):
+    """The distilled student to score after fit: the module itself, except under FSDP,
+    where after fit each rank's module holds only its flattened shards, so the exported
+    copy is read back (None, i.e. not scored, without an export)."""
+    if not isinstance(trainer.strategy, FSDPStrategy):
+        return student
+    if export is None or export.saved_to is None:
+        return None
+    model = load_causal_lm(str(export.saved_to), dtype="auto")
+    return model.to(trainer.strategy.root_device)
 
 
 def evaluate_models(cfg, tokenizer, models: dict) -> dict:
@@ -21,7 +35,8 @@ def evaluate_models(cfg, tokenizer, models: dict) -> dict:
         if isinstance(model, LiveTeacher):
             model = model.model
         elif not isinstance(model, PreTrainedModel):
-            continue  # a cached teacher has no model to score
+            continue  # a cached teacher has no model to score, nor has an unexported
+            # FSDP student (see trained_student)
         was_training = model.training
         model.eval()
         with torch.no_grad():

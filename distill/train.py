@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill.models import DEMO_ASSETS, check_head_rows, check_same_tokenizer, load_tokenizer
 from distill.module import DistillModule
-from distill.report import evaluate_models, print_summary
+from distill.report import evaluate_models, print_summary, trained_student
 
 if not OmegaConf.has_resolver("distill_demo"):
     OmegaConf.register_new_resolver("distill_demo", lambda: str(DEMO_ASSETS))
@@ -63,9 +63,10 @@ def train(cfg: DictConfig) -> dict:
 
     before = evaluate_models(cfg, tokenizer, {"teacher": teacher, "untrained student": student})
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-    after = evaluate_models(cfg, tokenizer, {"distilled student": student})
-
     export = next((cb for cb in callbacks if hasattr(cb, "saved_to")), None)
+    after = evaluate_models(cfg, tokenizer,
+                            {"distilled student": trained_student(student, trainer, export)})
+
     summary = {
         "student_dir": str(export.saved_to) if export and export.saved_to else None,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},

@@ -24,6 +24,7 @@ class ExportStudent(L.Callback):
             pl_module.student.save_pretrained(self.dirpath, state_dict=student)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(self.dirpath)
+        trainer.strategy.barrier("export")  # the other ranks may read the folder next
         self.saved_to = self.dirpath
 
 

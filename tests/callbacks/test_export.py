@@ -21,7 +21,7 @@ def test_gathered_state_dict_with_untied_copies_saves_like_the_model(tiny_assets
                 student.state_dict().items()}  # clone: no shared storage left
     gathered["teacher.x"] = torch.zeros(1)
     trainer = SimpleNamespace(is_global_zero=True, strategy=SimpleNamespace(
-        lightning_module_state_dict=lambda: gathered))
+        lightning_module_state_dict=lambda: gathered, barrier=lambda name: None))
     ExportStudent(tmp_path / "fsdp").on_train_end(trainer, SimpleNamespace(student=student))
     student.save_pretrained(tmp_path / "plain")
     a = load_file(tmp_path / "fsdp" / "model.safetensors")
@@ -32,3 +32,32 @@ def test_gathered_state_dict_with_untied_copies_saves_like_the_model(tiny_assets
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp")
     for (k, p), q in zip(student.named_parameters(), again.parameters()):
         torch.testing.assert_close(q, p, rtol=0, atol=0, msg=k)
+
+
+def test_fsdp_scores_the_exported_student_other_strategies_the_module(tiny_assets, tmp_path):
+    """After an FSDP fit the module holds flat shards; the report reads the export back."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from distill.report import trained_student
+
+    class FakeFSDP(FSDPStrategy):  # the type only: no process group, no GPU
+        def __init__(self):
+            pass
+
+        @property
+        def root_device(self):
+            return torch.device("cpu")
+
+    student = load_causal_lm(str(tiny_assets["student"]))
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    student.save_pretrained(tmp_path / "student")
+    export = SimpleNamespace(saved_to=tmp_path / "student")
+    fsdp = SimpleNamespace(strategy=FakeFSDP())
+    again = trained_student(student, fsdp, export)
+    assert again is not student
+    for (k, p), q in zip(student.named_parameters(), again.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=k)
+    assert trained_student(student, fsdp, SimpleNamespace(saved_to=None)) is None
+    assert trained_student(student, SimpleNamespace(strategy=object()), export) is student
