@@ -3,9 +3,8 @@
 Each round times every variant once (CUDA events, grads cleared before each call), in a
 new random order (a variant's predecessor biases it otherwise); the table gives the median
 over rounds and the ratio to the GEMM floor timed in the same rounds. Variants set the op's
-switches (DISTILL_STATS_GEMM, DISTILL_FOLD_GROUP, DISTILL_GEMM_CONFIG,
-DISTILL_ROW_SEGMENTS) and chunk size. Also prints which ATen ops launch the largest kernels
-(--ops).
+switches (DISTILL_STATS_GEMM, DISTILL_FOLD_GROUP, DISTILL_GEMM_CONFIG) and chunk size. Also
+prints which ATen ops launch the largest kernels (--ops).
 
     python scripts/bench_variants.py --bt 4096 8192 --rounds 12
 """
@@ -32,20 +31,17 @@ DEFAULT = dict(DISTILL_STATS_GEMM="1")  # and each path's FOLD_GROUP
 # name -> (env switches, chunk_size or None, kind, cached?)
 VARIANTS = {
     "default": (DEFAULT, None, "forward_kl", False),
+    "fold 3 x 640": (dict(DEFAULT, DISTILL_FOLD_GROUP="3"), 640, "forward_kl", False),
     "default again (same path: the noise)": (DEFAULT, None, "forward_kl", False),
+    "GEMM 3 stages": (dict(DEFAULT, DISTILL_GEMM_CONFIG="128,256,64,8,3,0"), None,
+                      "forward_kl", False),
     "default, reverse_kl": (DEFAULT, None, "reverse_kl", False),
-    "reverse_kl, one program per row": (dict(DEFAULT, DISTILL_ROW_SEGMENTS="0"), None,
-                                        "reverse_kl", False),
-    "reverse_kl, 8 programs per row": (dict(DEFAULT, DISTILL_ROW_SEGMENTS="8"), None,
-                                       "reverse_kl", False),
     "default, jsd": (DEFAULT, None, "jsd", False),
-    "jsd, one program per row": (dict(DEFAULT, DISTILL_ROW_SEGMENTS="0"), None, "jsd", False),
     "cached, cuBLAS (default)": (DEFAULT, None, "forward_kl", True),
 }
 
 
-ENV_KEYS = ("DISTILL_STATS_GEMM", "DISTILL_FOLD_GROUP", "DISTILL_GEMM_CONFIG",
-            "DISTILL_ROW_SEGMENTS")
+ENV_KEYS = ("DISTILL_STATS_GEMM", "DISTILL_FOLD_GROUP", "DISTILL_GEMM_CONFIG")
 
 
 def make_fn(x, env, chunk, kind, cached):

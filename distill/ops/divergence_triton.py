@@ -273,12 +273,10 @@ def _live_seg_kernel(
         tl.store(part + seg, div)
         tl.store(part + SEGS + seg, cq)
     if PHASE == 0:
-        tl.debug_barrier()  # the partials stored before the count says so
         tl.atomic_add(cnt_ptr + row, 1, sem="release")
         n = tl.atomic_add(cnt_ptr + row, 0, sem="acquire")
         while n < SEGS:
             n = tl.atomic_add(cnt_ptr + row, 0, sem="acquire")
-        tl.debug_barrier()
     if PHASE != 1:
         so = tl.arange(0, SEGS)
         div = tl.sum(tl.load(part + so, volatile=True), 0)  # fixed order: deterministic
