@@ -16,8 +16,6 @@ pass backwards also re-reads first the blocks pass 1 read last, which are still 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -27,13 +25,7 @@ from distill.losses.spec import TAIL_FLOOR, DivergenceSpec
 _KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
 # (BLOCK, num_warps) per row program, measured on an H200 at V=128256 (docs/notes/kernels.md);
 # scripts/bench_loss.py --tune re-measures them.
-CONFIG = {"live": (4096, 8), "sparse": (8192, 8),
-          # reverse KL / JSD with tile stats: programs per row, a power of 2 (0: one
-          # program per row, _live_fwd_kernel); DISTILL_ROW_SEGMENTS overrides it
-          "live_segments": 16}
-# Triton's interpreter runs one program after another: programs that wait for each other
-# must run as separate launches there.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+CONFIG = {"live": (4096, 8), "sparse": (8192, 8)}
 MAX_K = 16384  # top-k ids held in registers by one program
 
 
@@ -65,38 +57,6 @@ def _merge_tiles(st_ptr, plane, NT, BLOCK_T: tl.constexpr):
 def _logaddexp(x, y):
     hi = tl.maximum(x, y)
     return hi + tl.log(1.0 + tl.exp(tl.minimum(x, y) - hi))
-
-
-@triton.jit
-def _jsd_terms(logq, logp, mask, q, p, lb, l1b):
-    """JSD's per-entry q (log q - log m) and p (log p - log m), m = beta p + (1 - beta) q."""
-    logm = _logaddexp(logp + lb, logq + l1b)
-    tq = tl.where(mask & (q > 0), q * (logq - logm), 0.0)
-    tp = tl.where(mask & (p > 0), p * (logp - logm), 0.0)
-    return tq, tp
-
-
-@triton.jit
-def _live_grad(zs, logq, logp, q, p, idx, label, c, l1, gf, ce_weight, rs, beta, lb, l1b,
-               KIND: tl.constexpr, CE_GRAD: tl.constexpr, CE_SEP: tl.constexpr,
-               HAS_SCALE: tl.constexpr):
-    """A block's row_scale * d loss / d zs, given c = <q, G> (reverse KL, JSD)."""
-    if KIND == 0:
-        da = q - p  # not q * (G - <q, G>): G = -p / q overflows where q underflows
-    elif KIND == 1:
-        da = q * (tl.where(q > 0, logq - logp, 0.0) - c)
-    else:
-        g = (1.0 - beta) * (logq - _logaddexp(logp + lb, logq + l1b))
-        da = q * (tl.where(q > 0, g, 0.0) - c)
-    g = gf * da
-    if CE_GRAD:
-        sm = q
-        if CE_SEP:
-            sm = tl.exp(zs - l1)
-        g += ce_weight * (sm - tl.where(idx == label, 1.0, 0.0))
-    if HAS_SCALE:
-        g = g * rs
-    return g
 
 
 @triton.jit
@@ -182,7 +142,10 @@ def _live_fwd_kernel(
             mask = idx < V
             logq = tl.load(zs_row + idx, mask=mask, other=ninf) * inv_t - ls
             logp = tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t - lt
-            tq, tp = _jsd_terms(logq, logp, mask, tl.exp(logq), tl.exp(logp), lb, l1b)
+            q, p = tl.exp(logq), tl.exp(logp)
+            logm = _logaddexp(logp + lb, logq + l1b)
+            tq = tl.where(mask & (q > 0), q * (logq - logm), 0.0)
+            tp = tl.where(mask & (p > 0), p * (logp - logm), 0.0)
             div += tl.sum(beta * tp + (1.0 - beta) * tq, 0)
             cq += tl.sum(tq, 0)
         c = (1.0 - beta) * cq
@@ -197,11 +160,22 @@ def _live_fwd_kernel(
             q, p = tl.exp(logq), tl.exp(logp)
             if KIND == 0:
                 div += tl.sum(tl.where(mask & (p > 0), p * (logp - logq), 0.0), 0)
+                da = q - p  # not q * (G - <q, G>): G = -p / q overflows where q underflows
             elif KIND == 1:
                 div += tl.sum(tl.where(mask & (q > 0), q * (logq - logp), 0.0), 0)
+                da = q * (tl.where(q > 0, logq - logp, 0.0) - c)
+            else:
+                g = (1.0 - beta) * (logq - _logaddexp(logp + lb, logq + l1b))
+                da = q * (tl.where(q > 0, g, 0.0) - c)
             if NEED_GRAD:
-                g = _live_grad(zs, logq, logp, q, p, idx, label, c, l1, gf, ce_weight, rs,
-                               beta, lb, l1b, KIND, CE_GRAD, CE_SEP, HAS_SCALE)
+                g = gf * da
+                if CE_GRAD:
+                    sm = q
+                    if CE_SEP:
+                        sm = tl.exp(zs - l1)
+                    g += ce_weight * (sm - tl.where(idx == label, 1.0, 0.0))
+                if HAS_SCALE:
+                    g = g * rs
                 if ALIAS:
                     tl.debug_barrier()  # the store may land on logits another warp reads
                 tl.store(dz_row + idx, g.to(dz_ptr.dtype.element_ty), mask=mask)
@@ -209,105 +183,6 @@ def _live_fwd_kernel(
     if WRITE_CE:
         tl.store(ce_ptr + row, ce)
 
-
-
-@triton.jit
-def _live_seg_kernel(
-    zs_ptr, zt_ptr, dz_ptr,  # (C, V) fp32 logits; (C, V) gradient out (not aliasing them)
-    loss_ptr, ce_ptr, labels_ptr, scale_ptr,  # as _live_fwd_kernel
-    sts_ptr, NT, plane_s, stt_ptr, plane_t,  # the GEMMs' tile stats (required)
-    part_ptr,  # (C, 2, SEGS) fp32 scratch: each segment's partial sums
-    cnt_ptr,  # (C,) int32 zeros: segments of the row past their first pass
-    V, stride_s, stride_t, stride_d,
-    inv_t, beta, ce_weight, factor,
-    KIND: tl.constexpr, HAS_CE: tl.constexpr, CE_GRAD: tl.constexpr, CE_SEP: tl.constexpr,
-    WRITE_CE: tl.constexpr, HAS_SCALE: tl.constexpr, NEED_GRAD: tl.constexpr,
-    SEGS: tl.constexpr, PHASE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-):
-    """Reverse KL / JSD with the tile stats, each row split over SEGS programs.
-
-    Their first pass sums the loss and <q, G> over the program's part of the row; the
-    programs of a row then wait for each other (a counter) and the second pass writes the
-    gradient, re-reading bytes the program read a moment ago: from L2, not from memory, as
-    the rows in flight are few. PHASE 1 / 2 run the two passes as separate launches (no
-    waiting: Triton's interpreter runs programs one after another), 0 both in one.
-    """
-    pid = tl.program_id(0)
-    row = (pid // SEGS).to(tl.int64)
-    seg = pid % SEGS
-    zs_row = zs_ptr + row * stride_s
-    zt_row = zt_ptr + row * stride_t
-    offs = tl.arange(0, BLOCK)
-    nb = tl.cdiv(V, BLOCK)
-    per = tl.cdiv(nb, SEGS)  # blocks per segment
-    b0 = seg * per
-    b1 = tl.minimum(nb, b0 + per)
-    ninf = float("-inf")
-    sts_row = sts_ptr + row * NT
-    ms, ss = _merge_tiles(sts_row, plane_s, NT, BLOCK_T)
-    mt, st = _merge_tiles(stt_ptr + row * NT, plane_t, NT, BLOCK_T)
-    ls = ms + tl.log(ss)
-    lt = mt + tl.log(st)
-    l1 = ls
-    if CE_SEP:
-        m1, s1 = _merge_tiles(sts_row + 2 * plane_s, plane_s, NT, BLOCK_T)
-        l1 = m1 + tl.log(s1)
-    lb, l1b = tl.log(beta), tl.log(1.0 - beta)
-    part = part_ptr + row * (2 * SEGS)
-    if PHASE != 2:
-        # the loss (reverse KL: also its <q, G>) and JSD's <q, log q - log m> of this part
-        div = tl.zeros((), tl.float32)
-        cq = tl.zeros((), tl.float32)
-        for b in range(b0, b1):
-            idx = b * BLOCK + offs
-            mask = idx < V
-            logq = tl.load(zs_row + idx, mask=mask, other=ninf) * inv_t - ls
-            logp = tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t - lt
-            q = tl.exp(logq)
-            if KIND == 1:
-                div += tl.sum(tl.where(mask & (q > 0), q * (logq - logp), 0.0), 0)
-            else:
-                tq, tp = _jsd_terms(logq, logp, mask, q, tl.exp(logp), lb, l1b)
-                div += tl.sum(beta * tp + (1.0 - beta) * tq, 0)
-                cq += tl.sum(tq, 0)
-        tl.store(part + seg, div)
-        tl.store(part + SEGS + seg, cq)
-    if PHASE == 0:
-        tl.atomic_add(cnt_ptr + row, 1, sem="release")
-        n = tl.atomic_add(cnt_ptr + row, 0, sem="acquire")
-        while n < SEGS:
-            n = tl.atomic_add(cnt_ptr + row, 0, sem="acquire")
-    if PHASE != 1:
-        so = tl.arange(0, SEGS)
-        div = tl.sum(tl.load(part + so, volatile=True), 0)  # fixed order: deterministic
-        c = div  # reverse KL: <q, G> is the loss itself
-        if KIND == 2:
-            c = (1.0 - beta) * tl.sum(tl.load(part + SEGS + so, volatile=True), 0)
-        ce = tl.zeros((), tl.float32)
-        label = 0
-        if HAS_CE:
-            label = tl.load(labels_ptr + row)
-            ce = l1 - tl.load(zs_row + label)
-        if seg == 0:
-            tl.store(loss_ptr + row, factor * div + ce_weight * ce)
-            if WRITE_CE:
-                tl.store(ce_ptr + row, ce)
-        if NEED_GRAD:
-            rs = 1.0
-            if HAS_SCALE:
-                rs = tl.load(scale_ptr + row)
-            gf = factor * inv_t
-            dz_row = dz_ptr + row * stride_d
-            for b in range(b0, b1):
-                idx = b * BLOCK + offs
-                mask = idx < V
-                zs = tl.load(zs_row + idx, mask=mask, other=ninf)
-                logq = zs * inv_t - ls
-                logp = tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t - lt
-                g = _live_grad(zs, logq, logp, tl.exp(logq), tl.exp(logp), idx, label, c, l1,
-                               gf, ce_weight, rs, beta, lb, l1b, KIND, CE_GRAD, CE_SEP,
-                               HAS_SCALE)
-                tl.store(dz_row + idx, g.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -470,13 +345,6 @@ def untempered_stats(spec: DivergenceSpec, labels, ce_out) -> bool:
         spec.temperature != 1.0)
 
 
-def _row_segments() -> int:
-    segs = int(os.environ.get("DISTILL_ROW_SEGMENTS", CONFIG["live_segments"]))
-    if segs < 0 or segs & (segs - 1):
-        raise ValueError(f"{segs} row segments: use 0 (off) or a power of 2")
-    return segs
-
-
 def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: DivergenceSpec,
                        need_grad, *, row_scale=None, grad_dtype=torch.float32, ce_out=None,
                        stats=None, grad_out=None):
@@ -516,26 +384,7 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
             row_scale.float() if row_scale is not None else loss)
     scalars = (1.0 / spec.temperature, spec.beta, float(spec.ce_weight),
                spec.divergence_factor)
-    segs = _row_segments() if (live and kind != 0 and stats is not None and (
-        grad_out is not None or not need_grad)) else 0
-    if segs:  # reverse KL / JSD, the first pass done by the GEMMs: rows split, see kernel
-        block, warps = CONFIG["live"]
-        st_s, st_t = stats
-        if st_s.shape[0] < 2 + 2 * flags["CE_SEP"]:
-            raise ValueError("the student's tile stats lack the untempered planes of the CE")
-        part = torch.empty((c, 2, segs), dtype=torch.float32, device=zs.device)
-        count = torch.zeros(c, dtype=torch.int32, device=zs.device)
-        nt = st_s.shape[-1]
-        args = (zs, zt, dz, *ptrs, st_s, nt, st_s[0].numel(), st_t, st_t[0].numel(), part,
-                count, v, zs.stride(0), zt.stride(0), dz.stride(0), *scalars)
-        meta = dict(KIND=kind, SEGS=segs, BLOCK=min(block, triton.next_power_of_2(v)),
-                    BLOCK_T=min(1024, triton.next_power_of_2(nt)), num_warps=warps,
-                    **{k: flags[k] for k in ("HAS_CE", "CE_GRAD", "CE_SEP", "WRITE_CE",
-                                             "HAS_SCALE", "NEED_GRAD")})
-        # one launch that waits inside, or (interpreter) one launch per pass
-        for phase in ((1, 2) if _INTERPRETED else (0,)):
-            _live_seg_kernel[(c * segs,)](*args, PHASE=phase, **meta)
-    elif live:
+    if live:
         block, warps = CONFIG["live"]
         # tile stats: (student, teacher) tensors, pointer and plane size of each
         st_s, st_t = stats if stats is not None else (loss, loss)

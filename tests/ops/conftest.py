@@ -38,6 +38,4 @@ def triton_kernels(monkeypatch):
         # several blocks per row and a partial last one, at vocabularies of a few hundred
         monkeypatch.setitem(mod.CONFIG, "live", (64, 4))
         monkeypatch.setitem(mod.CONFIG, "sparse", (64, 4))
-        # rows of ~5 blocks split 4 ways: segments of 2, 2, 1 and 0 blocks
-        monkeypatch.setitem(mod.CONFIG, "live_segments", 4)
     return mod
