@@ -297,7 +297,7 @@ def _sparse_fwd_kernel(
         tl.store(dz_row + ids, gk_out.to(dz_ptr.dtype.element_ty), mask=kmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # n == 1 would otherwise become a constexpr
 def _scale_kernel(x_ptr, n, s_ptr, BLOCK: tl.constexpr):
     """x *= s in place, s read on the device; when s == 1 nothing is read or written."""
     s = tl.load(s_ptr).to(tl.float32)

@@ -158,7 +158,7 @@ def test_gemm_config_from_the_environment_is_checked(triton_kernels, monkeypatch
 def test_scale_in_place_reads_the_scale_on_the_device(triton_kernels, value, dtype):
     """backward's grad_output scaling: x * s (s == 1 leaves x as it is), several blocks
     per program (the grid-stride loop) and a partial last block."""
-    xs = [torch.randn(n, device=DEVICE).to(dtype) for n in (1000, 7, 0)]
+    xs = [torch.randn(n, device=DEVICE).to(dtype) for n in (1000, 7, 1, 0)]
     want = [(x.double() * value).to(dtype) for x in xs]
     before = [x.clone() for x in xs]
     triton_kernels.scale_(xs + [None], torch.tensor(value, device=DEVICE), programs=3,
