@@ -23,7 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_loss import _time  # noqa: E402
 
-from distill.ops.logits_gemm import logits_and_stats  # noqa: E402
+from distill.ops.logits_gemm import _parse_config, logits_and_stats  # noqa: E402
 
 H, V = 4096, 128256
 CONFIGS = [  # (BM, BN, BK, warps, stages), tma_store
@@ -150,10 +150,7 @@ def main():
     p.add_argument("--out", type=Path, default=Path("bench_out/gemm"))
     p.add_argument("--configs", nargs="*", help="BM,BN,BK,warps,stages,tma_store (default: all)")
     args = p.parse_args()
-    configs = CONFIGS
-    if args.configs:
-        configs = [(tuple(int(x) for x in t.split(",")[:5]), int(t.split(",")[5]))
-                   for t in args.configs]
+    configs = [_parse_config(t) for t in args.configs] if args.configs else CONFIGS
     args.out.mkdir(parents=True, exist_ok=True)
     res = {str(c): run(c, args.reps, configs) for c in args.c}
     res["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -26,7 +26,6 @@ import bench_loss  # noqa: E402
 
 from distill.losses import linear_divergence  # noqa: E402
 
-BASE = dict(DISTILL_STATS_GEMM="0", DISTILL_FOLD_GROUP="1")
 DEFAULT = dict(DISTILL_STATS_GEMM="1")  # and each path's FOLD_GROUP
 # name -> (env switches, chunk_size or None, kind, cached?)
 VARIANTS = {
