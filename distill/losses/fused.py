@@ -20,9 +20,13 @@ class _LinearDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hs, ws, bias, rows, targets, labels, weights, opts):
         every_row = len(rows) == len(hs)  # e.g. pretraining: no gather, no scatter
+        # only the gradients autograd asks for: a frozen head (LoRA) skips the d weight GEMM
         loss, (g_h, g_w, g_b) = fused_rows(hs if every_row else hs[rows], ws, targets, labels,
-                                           weights, need_grad=True, **opts)
-        grad_h = g_h if every_row else torch.zeros_like(hs).index_copy_(0, rows, g_h)
+                                           weights, need_grad=True,
+                                           needs=tuple(ctx.needs_input_grad[:3]), **opts)
+        grad_h = g_h
+        if g_h is not None and not every_row:
+            grad_h = torch.zeros_like(hs).index_copy_(0, rows, g_h)
         # Held as plain attributes (not saved tensors) and dropped in backward, so that the
         # returned gradients are the only references: autograd then takes them as .grad
         # instead of cloning a weight-sized tensor.
@@ -49,7 +53,8 @@ class _LinearDivergence(torch.autograd.Function):
         elif bool(grad_out != 1):
             for g in grads:
                 g.mul_(grad_out.to(g.dtype))
-        grad_w = grad_w.to(ctx.weight_dtype)
+        if grad_w is not None:
+            grad_w = grad_w.to(ctx.weight_dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 

@@ -118,12 +118,17 @@ def _fold(dz, h, ws, grad_h, grad_w, first):
     """grad_h = dz @ ws (this chunk's rows), grad_w (+)= dz.T @ h, without (C, V) copies.
 
     The first chunk writes grad_w instead of adding to it: no memset of a weight-sized
-    buffer, no read of its zeros.
+    buffer, no read of its zeros. A gradient given as None is not needed (a frozen head,
+    a hidden state that is a leaf without grad): its GEMM is skipped.
     """
-    if dz.dtype == ws.dtype == grad_h.dtype:
+    if grad_h is None:
+        pass
+    elif dz.dtype == ws.dtype == grad_h.dtype:
         torch.mm(dz, ws, out=grad_h)
     else:
         grad_h.copy_(dz @ ws.to(dz.dtype))
+    if grad_w is None:
+        return
     if grad_w.dtype == dz.dtype == h.dtype:
         torch.mm(dz.T, h, out=grad_w) if first else grad_w.addmm_(dz.T, h)
     elif dz.is_cuda and dz.dtype == h.dtype and dz.dtype in _HALF:
@@ -190,11 +195,14 @@ def _chunk_logits(h, ws, targets: Targets, sl, zs_buf, zt_buf, student_head, sta
 
 
 def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, chunk_size,
-               fp32_weight_grad, backend="auto", student_head=None, ce_sum=None):
+               fp32_weight_grad, backend="auto", student_head=None, ce_sum=None,
+               needs=(True, True, True)):
     """Loss sum_i w_i loss_i over the given rows, and (grad_hidden, grad_weight, grad_bias).
 
     `ce_sum`, a 0-dim fp32 tensor, receives sum_i w_i ce_i when given (for logging the
-    divergence and the cross-entropy apart).
+    divergence and the cross-entropy apart). With `need_grad`, `needs` says which of the
+    three gradients to compute; the others are None and cost nothing (a frozen LM head,
+    e.g. under LoRA, skips the d weight GEMM and its weight-sized buffer).
     """
     n, vocab = hs.shape[0], ws.shape[0]
     backend = resolve_backend(hs.device, backend)
@@ -202,13 +210,17 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
     live = targets.teacher_hidden is not None
     loss = torch.zeros((), dtype=torch.float32, device=hs.device)
     grad_h = grad_w = grad_b = None
-    if need_grad:
+    need_h, need_w, need_b = needs if need_grad else (False, False, False)
+    need_b = need_b and student_head is not None and student_head.bias is not None
+    need_grad = need_h or need_w or need_b
+    if need_h:
         grad_h = torch.empty_like(hs)
+    if need_w:
         wdtype = torch.float32 if (fp32_weight_grad or not hs.is_cuda) else ws.dtype
         alloc = torch.zeros if n == 0 else torch.empty  # the first fold writes it all
         grad_w = alloc(ws.shape, dtype=wdtype, device=ws.device)
-        if student_head is not None and student_head.bias is not None:
-            grad_b = torch.zeros(vocab, dtype=torch.float32, device=ws.device)
+    if need_b:
+        grad_b = torch.zeros(vocab, dtype=torch.float32, device=ws.device)
     if n == 0:
         return loss, (grad_h, grad_w, grad_b)
     # Without a head transform the row kernel itself applies the token weights and writes
@@ -216,7 +228,8 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
     # no (C, V) temporaries.
     in_kernel = student_head is None
     gdtype = ws.dtype if (hs.is_cuda and ws.dtype in _HALF and in_kernel) else torch.float32
-    group = fold_group(live) if (in_kernel and need_grad and backend == "triton") else 1
+    # folding chunks together only saves d weight accumulations
+    group = fold_group(live) if (in_kernel and need_w and backend == "triton") else 1
     chunk = min(n, chunk_size or choose_chunk_size(n, vocab, live, hs.device, group,
                                                    gdtype.itemsize))
     stats_opts = _stats_gemm_options(backend, hs, ws, targets, spec, labels, ce_sum,
@@ -256,7 +269,8 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
                 if grad_b is not None:
                     grad_b += dz.sum(0)
                 dz = dz.to(ws.dtype) if hs.is_cuda else dz
-            _fold(dz, h, ws, grad_h[sl], grad_w, first=start == 0)
+            _fold(dz, h, ws, _take_rows(grad_h, sl), grad_w, first=start == 0)
         if need_grad and dz_buf is not None:
-            _fold(dz_buf[:fsl.stop - f0], hs[fsl], ws, grad_h[fsl], grad_w, first=f0 == 0)
+            _fold(dz_buf[:fsl.stop - f0], hs[fsl], ws, _take_rows(grad_h, fsl), grad_w,
+                  first=f0 == 0)
     return loss, (grad_h, grad_w, grad_b)

@@ -73,3 +73,44 @@ def assert_close(got, ref, dtype):
         a, b = gg[name].double().cpu(), gr[name].double().cpu()
         rel = (a - b).norm() / b.norm().clamp_min(1e-30)
         assert rel < max(rtol, 1e-7) * 10, f"grad {name}: relative error {rel:.3e}"
+
+
+class AllocationRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records (op name, shape) of every tensor an op returns (`calls`) and of those in
+    new memory (`created`: views and out= results excluded), to check that a skipped
+    gradient costs no buffer of its size and no GEMM."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.created = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat = torch.utils._pytree.tree_leaves((args, kwargs))
+        given = {t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.calls.append((func.__name__, tuple(t.shape)))
+                if t.untyped_storage().data_ptr() not in given:
+                    self.created.append(self.calls[-1])
+        return out
+
+    def shapes(self, op_prefix="", new_memory=True):
+        seen = self.created if new_memory else self.calls
+        return [shape for name, shape in seen if name.startswith(op_prefix)]
+
+
+def frozen_head_grads(inputs, fn, trainable, **kw):
+    """Loss, {name: .grad} and the allocations of fn with only `trainable` requiring grad."""
+    args, leaves = {}, {}
+    for name, t in inputs.items():
+        t = t.detach()
+        if name in ("student_hidden", "student_weight"):
+            t = t.clone().requires_grad_(name in trainable)
+            leaves[name] = t
+        args[name] = t
+    with AllocationRecorder() as rec:
+        loss = fn(**args, **kw)
+        (loss * 0.5).backward()
+    return loss.detach(), {k: v.grad for k, v in leaves.items()}, rec

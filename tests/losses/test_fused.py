@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from distill.losses import linear_divergence
-from tests.losses.helpers import assert_close, make_inputs, run_both
+from tests.losses.helpers import assert_close, frozen_head_grads, make_inputs, run_both
 
 KINDS = [("forward_kl", {}), ("reverse_kl", {}), ("jsd", {"beta": 0.5}), ("jsd", {"beta": 0.1})]
 
@@ -157,3 +157,34 @@ def test_weight_grad_is_taken_not_copied_and_second_backward_is_refused():
     with pytest.raises(RuntimeError, match="backward through the same loss twice"):
         loss.backward()
     torch.testing.assert_close(ws.grad, ref)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("trainable", [("student_hidden",), ("student_weight",)])
+def test_frozen_head_or_hidden_skips_that_gradient(cached, trainable):
+    """A frozen LM head (LoRA): d hidden right, weight.grad stays None, and no tensor of
+    the weight's shape is ever made (no GEMM into it, no buffer). Likewise a hidden state
+    without grad: no d hidden GEMM (no mm output of width Hs). Both against the float64
+    reference; a run with both trainable shows the recorder sees what it must."""
+    x = make_inputs(n=13, v=61, hs=24, ht=20, k=5 if cached else None)
+    frozen = ({"student_hidden", "student_weight"} - set(trainable)).pop()
+    got_loss, got, rec = frozen_head_grads(x, linear_divergence, trainable, kind="jsd",
+                                           ce_weight=0.3, temperature=1.5, chunk_size=4)
+    ref_loss, ref = run_both(x, linear_divergence, grad_scale=0.5, kind="jsd", ce_weight=0.3,
+                             temperature=1.5, chunk_size=4)[1]
+    torch.testing.assert_close(got_loss.double(), ref_loss, rtol=2e-5, atol=1e-6)
+    name = trainable[0]
+    torch.testing.assert_close(got[name].double(), ref[name], rtol=1e-4, atol=1e-6)
+    assert got[frozen] is None
+    weight_shape = (61, 24)
+
+    def d_hidden_gemms(rec):  # (chunk rows, Hs) products
+        return [s for s in rec.shapes("mm", new_memory=False) if s[0] <= 4 and s[1] == 24]
+
+    if frozen == "student_weight":
+        assert weight_shape not in rec.shapes()
+    else:
+        assert not d_hidden_gemms(rec)
+    _, _, both = frozen_head_grads(x, linear_divergence, ("student_hidden", "student_weight"),
+                                   kind="jsd", chunk_size=4)
+    assert weight_shape in both.shapes() and d_hidden_gemms(both)

@@ -10,7 +10,7 @@ import torch
 
 from distill.losses import linear_divergence
 from tests.conftest import TOLERANCES
-from tests.losses.helpers import assert_close, make_inputs, run_both
+from tests.losses.helpers import assert_close, frozen_head_grads, make_inputs, run_both
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = [("forward_kl", {}), ("reverse_kl", {}), ("jsd", {"beta": 0.3})]
@@ -63,6 +63,22 @@ def test_several_folds(triton_kernels, op_path, kind, extra):
     got, ref = run_both(x, _triton, grad_scale=0.7, kind=kind, ce_weight=0.2, chunk_size=4,
                         **extra)
     assert_close(got, ref, torch.float32)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_frozen_head_makes_no_weight_gradient(triton_kernels, op_path, cached):
+    """LoRA's frozen LM head on the Triton paths: d hidden right, weight.grad None, and
+    no tensor of the weight's shape is made (no fold buffer or GEMM for it either)."""
+    x = make_inputs(n=13, v=61, hs=24, ht=20, k=5 if cached else None, device=DEVICE)
+    kw = dict(kind="reverse_kl", ce_weight=0.3, temperature=1.5, chunk_size=4)
+    loss, got, rec = frozen_head_grads(x, _triton, ("student_hidden",), **kw)
+    ref_loss, ref = run_both(x, _triton, grad_scale=0.5, **kw)[1]
+    torch.testing.assert_close(loss.double().cpu(), ref_loss.cpu(), rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(got["student_hidden"].double().cpu(),
+                               ref["student_hidden"].cpu(), rtol=1e-4, atol=1e-6)
+    assert got["student_weight"] is None and (61, 24) not in rec.shapes()
+    _, _, both = frozen_head_grads(x, _triton, ("student_hidden", "student_weight"), **kw)
+    assert (61, 24) in both.shapes()
 
 
 def test_weights_every_row_trained_and_negative_grad_output(triton_kernels):
