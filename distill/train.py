@@ -17,10 +17,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill.models import DEMO_ASSETS, check_head_rows, check_same_tokenizer, load_tokenizer
 from distill.module import DistillModule
+from distill.paths import register_resolvers
 from distill.report import evaluate_models, print_summary, trained_student
 
 if not OmegaConf.has_resolver("distill_demo"):
     OmegaConf.register_new_resolver("distill_demo", lambda: str(DEMO_ASSETS))
+register_resolvers()  # ${distill_output_dir:}: Hydra's run or sweep-job folder
 
 
 def instantiate(node, **kwargs):

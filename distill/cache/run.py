@@ -11,9 +11,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill.cache.job import CacheJob, CacheSettings
 from distill.models import DEMO_ASSETS, check_head_rows, load_tokenizer
+from distill.paths import register_resolvers
 
 if not OmegaConf.has_resolver("distill_demo"):
     OmegaConf.register_new_resolver("distill_demo", lambda: str(DEMO_ASSETS))
+register_resolvers()  # ${distill_output_dir:}: Hydra's run or sweep-job folder
 
 
 def cache_teacher_logits(cfg: DictConfig) -> dict:

@@ -1,10 +1,18 @@
-"""Save the student as a Hugging Face folder (model + tokenizer) when training ends."""
+"""Save the student as a Hugging Face folder (model + tokenizer) when training ends.
+
+A folder already there (an earlier run's export in a reused output dir, or a resumed run's)
+is never overwritten: it is renamed to `student.<its date_time>` first, with a log line.
+"""
 
 from __future__ import annotations
 
+import logging
+from datetime import datetime
 from pathlib import Path
 
 import lightning as L
+
+log = logging.getLogger(__name__)
 
 
 class ExportStudent(L.Callback):
@@ -18,6 +26,7 @@ class ExportStudent(L.Callback):
         # state dict (on rank 0); under DDP or one device it is the module's own.
         state = trainer.strategy.lightning_module_state_dict()
         if trainer.is_global_zero:
+            move_aside(self.dirpath)
             student = {k.removeprefix("student."): v for k, v in state.items()
                        if k.startswith("student.") and k.removeprefix("student.")
                        not in _tied_aliases(pl_module.student)}
@@ -26,6 +35,20 @@ class ExportStudent(L.Callback):
                 self.tokenizer.save_pretrained(self.dirpath)
         trainer.strategy.barrier("export")  # the other ranks may read the folder next
         self.saved_to = self.dirpath
+
+
+def move_aside(path: Path) -> Path | None:
+    """Rename a non-empty `path` to `<name>.<its modification time>`; None if nothing was there."""
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return None
+    stamp = datetime.fromtimestamp(path.stat().st_mtime).strftime("%Y-%m-%d_%H-%M-%S")
+    target, n = path.with_name(f"{path.name}.{stamp}"), 1
+    while target.exists():  # two exports within one second
+        target, n = path.with_name(f"{path.name}.{stamp}.{n}"), n + 1
+    path.rename(target)
+    log.warning("%s already held an export (an earlier run in this output dir): moved it to "
+                "%s, the new student goes to %s", path, target, path)
+    return target
 
 
 _WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
