@@ -18,8 +18,12 @@ from distill.data.sources import load_source
 from distill.data.tokenize import tokenize_source
 
 
-def build_dataset(sources, tokenizer, max_length: int, seed: int, mix: bool = True):
-    parts = [tokenize_source(load_source(s), s, tokenizer, max_length) for s in sources]
+def build_dataset(sources, tokenizer, max_length: int, seed: int, mix: bool = True,
+                  **options):
+    """Tokenized sources, mixed by weight (or concatenated). `options`: chat_template,
+    assistant_turns, cpt_stride (distill.data.tokenize.tokenize_source)."""
+    parts = [tokenize_source(load_source(s), s, tokenizer, max_length, **options)
+             for s in sources]
     if len(parts) == 1:
         return parts[0]
     if not mix:
@@ -49,7 +53,9 @@ class DistillDataModule(L.LightningDataModule):
     def __init__(self, tokenizer, train: list, val: list | None = None, batch_size: int = 8,
                  val_batch_size: int | None = None, max_length: int = 512,
                  num_workers: int = 0, seed: int = 0, shuffle: bool = True,
-                 pad_to_multiple_of: int = 1, packing: bool = False):
+                 pad_to_multiple_of: int = 1, packing: bool = False,
+                 chat_template: str | None = None, assistant_turns: str = "all",
+                 cpt_stride: int | None = None):
         super().__init__()
         if not train:
             raise ValueError("data.train lists no source: add at least one {kind, path}")
@@ -58,6 +64,11 @@ class DistillDataModule(L.LightningDataModule):
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.max_length, self.num_workers, self.seed = max_length, num_workers, seed
         self.shuffle, self.packing = shuffle, packing
+        if assistant_turns not in ("all", "last"):
+            raise ValueError(f"data.assistant_turns must be 'all' or 'last', got "
+                             f"{assistant_turns!r}")
+        self.options = {"chat_template": chat_template, "assistant_turns": assistant_turns,
+                        "cpt_stride": cpt_stride}
         if packing:
             check_packing_support()
         self.collate = PadCollator(tokenizer.pad_token_id, pad_to_multiple_of)
@@ -67,13 +78,13 @@ class DistillDataModule(L.LightningDataModule):
         if self.train_set is None:
             # one example per row; what a teacher cache is keyed by, packed or not
             self.train_examples = build_dataset(self.train_sources, self.tokenizer,
-                                                self.max_length, self.seed)
+                                                self.max_length, self.seed, **self.options)
             self.train_set = self.train_examples
             if self.packing:  # validation stays one example per row
                 self.train_set = pack_dataset(self.train_examples, self.max_length)
         if self.val_set is None and self.val_sources:
             self.val_set = build_dataset(self.val_sources, self.tokenizer, self.max_length,
-                                         self.seed, mix=False)
+                                         self.seed, mix=False, **self.options)
 
     def _loader(self, ds, batch_size, shuffle):
         gen = torch.Generator().manual_seed(self.seed)

@@ -1,56 +1,188 @@
-"""Examples -> token ids and labels (HF convention: labels aligned with input_ids, -100
-where not trained; the model-side shift happens in the module).
+"""Rows -> examples: token ids and labels (HF convention: labels aligned with input_ids,
+-100 where not trained; the model-side shift happens in the module).
 
-SFT trains only the assistant tokens, found with the chat template's `{% generation %}`
-markers (`return_assistant_tokens_mask`). CPT trains every token of the text.
+- `sft`: assistant turns are trained (distill.data.chat). An example longer than
+  `max_length` is truncated; one left with no trained token is dropped.
+- `cpt`: every token is trained. A document longer than `max_length` is cut into windows
+  of `max_length` tokens that start every `stride` tokens (default max_length - 1, so each
+  window repeats the last token of the previous one as context and every token is a target
+  exactly once); tokens already trained in an earlier window are labelled -100.
+- `prompts`: the prompt with the generation prompt, nothing trained (on-policy: the
+  student writes the completion). A prompt longer than `max_length` is dropped.
+
+Nothing is cut or dropped silently: each source logs one line with the counts.
+Example ids are `name:row`, or `name:row.k` when a row gives several examples.
 """
 
 from __future__ import annotations
 
-IGNORE_INDEX = -100
+import logging
+
+import datasets
+import jinja2
+
+from distill.data.chat import IGNORE_INDEX, ChatEncoder, TemplateError
+from distill.data.rows import DataError, prompt_conversation, sft_conversation
+from distill.data.sources import columns, source_name, where
+
+log = logging.getLogger(__name__)
+FEATURES = datasets.Features({
+    "input_ids": datasets.Sequence(datasets.Value("int64")),
+    "labels": datasets.Sequence(datasets.Value("int64")),
+    "example_id": datasets.Value("string"),
+    "_part": datasets.Value("int32"),  # index of the example within its row
+    "_cut": datasets.Value("int64"),  # tokens truncated away
+    "_drop": datasets.Value("string"),  # why the row gave no example ("" when it did)
+    "_need": datasets.Value("int64"),  # the max_length it would have needed
+})
 
 
-def tokenize_sft(messages, tokenizer, max_length: int) -> dict:
-    enc = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
-    ids = list(enc["input_ids"])[:max_length]
-    mask = list(enc["assistant_masks"])[:max_length]
-    labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
-    return {"input_ids": ids, "labels": labels}
-
-
-def tokenize_cpt(text: str, tokenizer, max_length: int) -> dict:
+def cpt_ids(text: str, tokenizer) -> list[int]:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id] + ids
     if tokenizer.eos_token_id is not None:
         ids = ids + [tokenizer.eos_token_id]
-    ids = ids[:max_length]
-    return {"input_ids": ids, "labels": list(ids)}
+    return ids
 
 
-def tokenize_source(ds, source: dict, tokenizer, max_length: int):
+def cpt_windows(ids: list[int], max_length: int, stride: int | None = None):
+    """(input_ids, labels) windows covering a document; see the module docstring."""
+    stride = max_length - 1 if stride is None else stride
+    if not 1 <= stride <= max_length or max_length < 2:
+        raise ValueError(f"data.cpt_stride={stride} must be between 1 and data.max_length "
+                         f"({max_length}), and max_length at least 2")
+    out, trained_to, start = [], 0, 0
+    while True:
+        start = min(start, max(len(ids) - max_length, 0))  # the last window ends at the end
+        window = ids[start:start + max_length]
+        labels = [t if start + j >= trained_to else IGNORE_INDEX for j, t in enumerate(window)]
+        out.append((window, labels))
+        trained_to = start + len(window)
+        if trained_to >= len(ids):
+            return out
+        start += stride
+
+
+class RowEncoder:
+    """One source's rows -> examples, with the reason a row gives none."""
+
+    def __init__(self, source: dict, cols, tokenizer, max_length: int, chat: ChatEncoder | None,
+                 cpt_stride: int | None):
+        self.source, self.cols, self.tokenizer = source, cols, tokenizer
+        self.kind = source.get("kind", "sft")
+        self.max_length, self.chat, self.stride = max_length, chat, cpt_stride
+        if self.kind == "cpt":  # check the stride once, not per row
+            cpt_windows([0, 0], max_length, cpt_stride)
+
+    def __call__(self, row: dict, idx: int) -> tuple[list, str, int]:
+        """(examples, drop reason, max_length needed) of one row."""
+        if self.kind == "cpt":
+            text = row[self.cols[0]]
+            if not isinstance(text, str):
+                raise DataError(f"{where(self.source, idx)}: field {self.cols[0]!r} must be a "
+                                f"string, got {type(text).__name__}")
+            ids = cpt_ids(text, self.tokenizer)
+            if len(ids) < 2:
+                return [], "empty", 0
+            return cpt_windows(ids, self.max_length, self.stride), "", 0
+        try:
+            if self.kind == "prompts":
+                ids = self.chat.prompt(prompt_conversation(row, self.cols, self.source, idx))
+                if len(ids) > self.max_length:
+                    return [], "too_long", len(ids)
+                return [(ids, [IGNORE_INDEX] * len(ids))], "", 0
+            return self._sft(sft_conversation(row, self.cols, self.source, idx))
+        except (TemplateError, jinja2.TemplateError) as err:
+            raise TemplateError(f"{where(self.source, idx)}: {err}") from err
+
+    def _sft(self, messages):
+        examples = self.chat.examples(messages)
+        if not examples:
+            return [], "no_assistant", 0
+        kept, need = [], 0
+        for ids, labels in examples:
+            trained = [k for k, t in enumerate(labels) if k and t != IGNORE_INDEX]
+            if not trained:  # only the marker path can mark nothing
+                return [], "unmarked", 0
+            if trained[0] >= self.max_length:
+                need = max(need, trained[0] + 1)
+                continue
+            kept.append((ids, labels))
+        return kept, ("" if kept else "too_long"), need
+
+
+def tokenize_source(ds, source: dict, tokenizer, max_length: int, *, chat_template=None,
+                    assistant_turns: str = "all", cpt_stride: int | None = None):
     """Map one raw source to input_ids / labels / example_id; refuse it if nothing trains."""
-    kind = source.get("kind", "sft")
-    field = source.get("field", "messages" if kind == "sft" else "text")
-    name = source.get("name", str(source.get("path")))
+    kind, name = source.get("kind", "sft"), source_name(source)
+    chat = None if kind == "cpt" else ChatEncoder(tokenizer, chat_template, assistant_turns)
+    encode_row = RowEncoder(source, columns(source, ds.column_names), tokenizer, max_length,
+                            chat, cpt_stride)
 
-    def encode(example, idx):
-        if kind == "sft":
-            out = tokenize_sft(example[field], tokenizer, max_length)
-        else:
-            out = tokenize_cpt(example[field], tokenizer, max_length)
-        out["example_id"] = f"{name}:{idx}"
+    def encode(batch, indices):
+        out = {k: [] for k in FEATURES}
+        for j, idx in enumerate(indices):
+            examples, drop, need = encode_row({c: batch[c][j] for c in batch}, idx)
+            if drop:  # a placeholder row carries the reason to the summary
+                examples = [([], [])]
+            for k, (ids, labels) in enumerate(examples):
+                eid = f"{name}:{idx}" if len(examples) == 1 else f"{name}:{idx}.{k}"
+                cut = max(0, len(ids) - max_length)
+                for key, v in zip(FEATURES, (ids[:max_length], labels[:max_length], eid, k,
+                                             cut, drop, need)):
+                    out[key].append(v)
         return out
 
-    tok = ds.map(encode, with_indices=True, remove_columns=ds.column_names,
-                 desc=f"tokenizing {name}")
-    tok = tok.filter(lambda ex: len(ex["input_ids"]) > 1)
-    trained = sum(sum(1 for t in lab[1:] if t != IGNORE_INDEX) for lab in tok["labels"])
-    if trained == 0:
-        hint = ("the chat template must mark assistant turns with {% generation %} ... "
-                "{% endgeneration %}" if kind == "sft" else "the texts are empty")
-        raise ValueError(f"data source {name!r} has no trainable token after tokenization "
-                         f"(max_length={max_length}): {hint}")
-    return tok
+    tok = ds.map(encode, with_indices=True, batched=True, remove_columns=ds.column_names,
+                 features=FEATURES, desc=f"tokenizing {name}")
+    report(tok, source, len(ds), max_length)
+    tok = tok.filter(lambda d: not d, input_columns="_drop", desc=f"filtering {name}")
+    return tok.remove_columns(["_part", "_cut", "_drop", "_need"])
+
+
+def report(tok, source: dict, rows: int, max_length: int) -> None:
+    """One log line per source with what was cut or dropped; an error when nothing is left."""
+    name, kind = source_name(source), source.get("kind", "sft")
+    drops, cuts, parts = tok["_drop"], tok["_cut"], tok["_part"]
+    count = {r: drops.count(r) for r in set(drops) - {""}}
+    kept = len(drops) - sum(count.values())
+    if kept == 0:
+        need = min((n for n, d in zip(tok["_need"], drops) if d == "too_long"), default=0)
+        raise_empty(name, kind, rows, count, need, max_length)
+    truncated = sum(1 for c, d in zip(cuts, drops) if c and not d)
+    parts_note = ""
+    if kind == "sft" and parts.count(1):
+        parts_note = (f"; {parts.count(1)} rows became one example per assistant turn (the "
+                      "chat template rewrites earlier turns)")
+    note = "; ".join(f"{n} {WHY[r]}" for r, n in sorted(count.items()))
+    line = (f"data source {name!r} ({kind}): {rows} rows -> {kept} examples"
+            + (f"; {truncated} truncated to max_length={max_length} "
+               f"({sum(cuts)} tokens cut)" if truncated else "")
+            + (f"; dropped: {note}" if note else "") + parts_note)
+    (log.warning if truncated or count else log.info)(line)
+
+
+WHY = {"no_assistant": "rows without an assistant turn",
+       "unmarked": "rows whose {% generation %} marks cover no token",
+       "too_long": "examples longer than max_length with no trained token left",
+       "empty": "empty texts"}
+
+
+def raise_empty(name, kind, rows, count, need, max_length) -> None:
+    if count.get("too_long"):
+        what = "prompts" if kind == "prompts" else "prompts: no assistant token fits"
+        raise ValueError(f"data.max_length={max_length} is too short for the {what} of data "
+                         f"source {name!r} (the shortest needs max_length >= {need}); raise "
+                         "data.max_length")
+    if count.get("no_assistant"):
+        raise ValueError(f"data source {name!r} has no trainable token: none of its {rows} "
+                         "rows has an assistant turn (role 'assistant'); SFT trains the "
+                         "assistant turns; for prompts only (on-policy) set kind: prompts")
+    if count.get("unmarked"):
+        raise TemplateError(f"data source {name!r} has no trainable token: the chat "
+                            "template's {% generation %} marks cover no token of the "
+                            "assistant turns; fix the marks, or drop them (data.chat_template="
+                            ") and the spans are found from the rendering")
+    raise ValueError(f"data source {name!r} has no trainable token: its {rows} texts are "
+                     "empty")

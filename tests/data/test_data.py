@@ -5,14 +5,16 @@ import json
 import torch
 
 from distill.data import DistillDataModule, PadCollator
-from distill.data.tokenize import tokenize_cpt, tokenize_sft
+from distill.data.chat import ChatEncoder
+from distill.data.tokenize import cpt_ids, cpt_windows
 from distill.models import load_tokenizer
 
 
 def test_sft_labels_only_assistant_tokens(tiny_assets):
     tok = load_tokenizer(str(tiny_assets["teacher"]))
     msgs = [{"role": "user", "content": "add 12+5=?"}, {"role": "assistant", "content": "17"}]
-    out = tokenize_sft(msgs, tok, max_length=64)
+    [(ids, labels)] = ChatEncoder(tok).examples(msgs)
+    out = {"input_ids": ids, "labels": labels}
     trained = [t for t in out["labels"] if t != -100]
     assert tok.convert_ids_to_tokens(trained) == ["1", "7", "<|end|>"]
     prompt_len = len(out["input_ids"]) - len(trained)
@@ -20,11 +22,13 @@ def test_sft_labels_only_assistant_tokens(tiny_assets):
     assert out["labels"][prompt_len:] == out["input_ids"][prompt_len:]
 
 
-def test_cpt_trains_every_token_and_truncates(tiny_assets):
+def test_cpt_trains_every_token(tiny_assets):
     tok = load_tokenizer(str(tiny_assets["teacher"]))
-    out = tokenize_cpt("one two three", tok, max_length=6)
-    assert len(out["input_ids"]) == 6 and out["labels"] == out["input_ids"]
-    assert out["input_ids"][0] == tok.bos_token_id
+    ids = cpt_ids("one two three", tok)
+    assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
+    assert len(ids) == len("one two three") + 2
+    [(window, labels)] = cpt_windows(ids, max_length=len(ids))
+    assert window == labels == ids
 
 
 def test_pad_collator_right_pads_with_ignored_labels():
