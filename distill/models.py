@@ -35,11 +35,49 @@ def resolve_path(name_or_path: str) -> str:
     return name_or_path
 
 
+# what a Hugging Face folder needs (any one file of each tuple), to name what is missing
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt", "tekken.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def missing_files(path: str, what: str) -> str | None:
+    """For a local folder: a sentence saying which files `what` needs and it lacks."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return None
+    names = {p.name for p in folder.iterdir()}
+    found = ", ".join(sorted(names)[:8]) or "nothing"
+    if what == "tokenizer" and not (names & set(TOKENIZER_FILES)
+                                    or any(n.endswith(".tiktoken") for n in names)):
+        kind = "tokenizer" if "config.json" in names else "model or tokenizer"
+        return (f"the folder {path} has no {kind} files (it holds {found}): a tokenizer "
+                "folder needs tokenizer.json (or tokenizer.model, or vocab.json + "
+                "merges.txt) and tokenizer_config.json, as tokenizer.save_pretrained writes "
+                "them, and a model folder needs config.json and model.safetensors. Point "
+                "tokenizer= (it defaults to student.name_or_path) at a folder with the "
+                "tokenizer, often the teacher's")
+    if what in ("model", "config") and "config.json" not in names:
+        return (f"the folder {path} has no model files (it holds {found}): a model folder "
+                "needs config.json and its weights (model.safetensors or shards), as "
+                "model.save_pretrained writes them")
+    if what == "model" and not names & set(WEIGHT_FILES):
+        return (f"the folder {path} has config.json but no weights (it holds {found}): add "
+                "model.safetensors (or its shards), or set student.from_scratch=true to "
+                "start from random weights")
+    return None
+
+
 def load_tokenizer(name_or_path: str):
     path = resolve_path(name_or_path)
     try:
         tok = AutoTokenizer.from_pretrained(path)
-    except OSError as err:
+    except (OSError, ValueError) as err:
+        # transformers blames a missing sentencepiece when a folder has no tokenizer at all
+        problem = missing_files(path, "tokenizer")
+        if problem:
+            raise FileNotFoundError(problem) from err
         raise OSError(f"could not load a tokenizer from {name_or_path!r} ({err}); offline "
                       "machines need a local folder or a pre-filled HF cache") from err
     if tok.pad_token is None:
@@ -63,7 +101,12 @@ def load_causal_lm(name_or_path: str, dtype: str = "float32", from_scratch: bool
             model = AutoModelForCausalLM.from_config(config, **extra)
             return model.to(torch.float32 if torch_dtype == "auto" else torch_dtype)
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **extra, **kwargs)
-    except OSError as err:
+    except (OSError, ValueError) as err:
+        problem = missing_files(path, "config" if from_scratch else "model")
+        if problem:
+            raise FileNotFoundError(problem) from err
+        if isinstance(err, ValueError):
+            raise
         raise OSError(f"could not load a causal LM from {name_or_path!r}: {err}") from err
 
 
@@ -99,15 +142,26 @@ def uses_flash_attention(model) -> bool:
 
 
 def lm_head(model: PreTrainedModel) -> tuple[torch.Tensor, HeadTransform]:
-    """The LM-head weight (V, H) (tied embeddings work) and its extras."""
+    """The LM-head weight (V, H) (tied embeddings work) and its extras.
+
+    The extras are read from the config keys the families' forward() applies after the
+    head's matmul: Cohere multiplies by `logit_scale`, Granite divides by `logits_scaling`
+    (a scale of 1 / logits_scaling: no bias in between, so the order does not matter),
+    Gemma 2 / 3 soft-cap with `final_logit_softcapping`. A family that does anything else
+    is caught at the first batch by distill.callbacks.HeadCheck.
+    """
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"unsupported LM head {type(head).__name__}: distill needs a Linear "
                         "output projection")
-    cfg = model.config
-    scale = getattr(cfg, "logit_scale", None) or 1.0
+    cfg = model.config.get_text_config()
+    scale = 1.0
+    if getattr(cfg, "logit_scale", None):
+        scale *= float(cfg.logit_scale)
+    if getattr(cfg, "logits_scaling", None):
+        scale /= float(cfg.logits_scaling)
     softcap = getattr(cfg, "final_logit_softcapping", None)
-    return head.weight, HeadTransform(bias=head.bias, scale=float(scale), softcap=softcap)
+    return head.weight, HeadTransform(bias=head.bias, scale=scale, softcap=softcap)
 
 
 def check_same_tokenizer(student_tok, teacher_tok) -> int:
@@ -118,7 +172,7 @@ def check_same_tokenizer(student_tok, teacher_tok) -> int:
         raise ValueError(
             f"student and teacher tokenizers differ (vocab sizes {len(s)} vs {len(t)}; e.g. "
             f"{diff}): distillation needs a shared vocabulary. Use the teacher's tokenizer "
-            "for the student (student.tokenizer=<teacher path>) or a teacher of the same family"
+            "for both (tokenizer=<teacher path>) or a teacher of the same family"
         )
     return len(student_tok)
 
@@ -128,3 +182,18 @@ def check_head_rows(model: PreTrainedModel, vocab: int, who: str) -> None:
     if rows < vocab:
         raise ValueError(f"the {who} LM head has {rows} rows but the tokenizer has {vocab} "
                          "tokens: resize its embeddings or use the matching tokenizer")
+
+
+def trainable_dtype(dtype: str, precision: str | int) -> torch.dtype | None:
+    """The dtype the student's trainable weights, and so AdamW's state, are kept in.
+
+    Lightning's '*-true' precisions convert the whole module; '*-mixed' keep the weights
+    as loaded and only autocast the compute. None for dtype='auto' (the checkpoint's).
+    """
+    converted = {"bf16-true": torch.bfloat16, "16-true": torch.float16,
+                 "64-true": torch.float64, "64": torch.float64, "transformer-engine": None}
+    precision = str(precision)
+    if precision in converted:
+        return converted[precision]
+    loaded = DTYPES[dtype]
+    return None if loaded == "auto" else loaded

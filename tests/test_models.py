@@ -1,5 +1,8 @@
 """Hidden states + LM head from real HF models reproduce the models' own logits."""
 
+import shutil
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -38,3 +41,64 @@ def test_loss_from_live_teacher_matches_full_logits(tiny_assets):
     keep = labels[:, 1:] != -100
     torch.testing.assert_close(loss.double(), per[keep].mean(), rtol=1e-5, atol=1e-7)
     assert not teacher.training and teacher.train().training is False
+
+
+def test_vocab_mismatch_hint_names_the_real_key(tmp_path, tiny_assets, compose_cfg):
+    from distill.models import check_same_tokenizer, load_tokenizer
+    from distill.train import train
+    from tests.fixtures import make_tokenizer
+
+    other = make_tokenizer(tmp_path / "other", extra_chars="#@")
+    with pytest.raises(ValueError, match=r"tokenizers differ .*\(tokenizer=<teacher path>\)") as e:
+        check_same_tokenizer(load_tokenizer(str(tiny_assets["teacher"])), other)
+    assert "student.tokenizer" not in str(e.value)
+    # the key it names is the CLI's: tokenizer= is how a run meets the check
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        train(compose_cfg(f"tokenizer={tmp_path / 'other'}"))
+
+
+@pytest.mark.parametrize("content", ["empty", "config_only", "tokenizer_only"])
+def test_folder_without_model_says_what_it_lacks(tmp_path, tiny_assets, content):
+    from distill.models import load_causal_lm, load_tokenizer
+
+    folder = tmp_path / content
+    folder.mkdir()
+    if content == "config_only":
+        shutil.copy(tiny_assets["teacher"] / "config.json", folder)
+    if content == "tokenizer_only":
+        load_tokenizer(str(tiny_assets["teacher"])).save_pretrained(folder)
+    if content != "tokenizer_only":
+        kind = "tokenizer" if content == "config_only" else "model or tokenizer"
+        with pytest.raises(FileNotFoundError, match=f"has no {kind} files .*tokenizer.json") as e:
+            load_tokenizer(str(folder))
+        assert "sentencepiece" not in str(e.value)
+    expect = {"empty": "has no model files .*config.json and its weights",
+              "tokenizer_only": "has no model files .*tokenizer_config.json",
+              "config_only": "has config.json but no weights .*model.safetensors"}[content]
+    with pytest.raises(FileNotFoundError, match=expect):
+        load_causal_lm(str(folder))
+    if content == "config_only":  # from scratch needs the config alone
+        assert load_causal_lm(str(folder), from_scratch=True).config.hidden_size == 32
+
+
+def test_cli_with_an_empty_model_folder(tmp_path, compose_cfg):
+    from distill.train import train
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no model or tokenizer files") as e:
+        train(compose_cfg("student=hf", f"student.name_or_path={tmp_path / 'empty'}"))
+    assert "sentencepiece" not in str(e.value)
+
+
+def test_head_extras_of_the_families():
+    import transformers as tf
+
+    common = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, pad_token_id=0)
+    cases = [(tf.GraniteConfig(logits_scaling=8.0, **common), 1 / 8.0, None),
+             (tf.CohereConfig(logit_scale=0.0625, **common), 0.0625, None),
+             (tf.Gemma2Config(final_logit_softcapping=30.0, head_dim=8, **common), 1.0, 30.0),
+             (tf.LlamaConfig(**common), 1.0, None)]
+    for cfg, scale, softcap in cases:
+        _, head = lm_head(AutoModelForCausalLM.from_config(cfg))
+        assert head.scale == pytest.approx(scale, rel=1e-12) and head.softcap == softcap

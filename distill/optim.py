@@ -1,0 +1,48 @@
+"""Fine-tuning optimizer and schedule: AdamW without decay on norms and biases, warmup.
+
+Weight decay pulls every weight towards zero; on a norm's gain (initialized at 1) or a
+bias that is a change of the model, not a regularizer, so fine-tuning recipes leave the
+one-dimensional parameters undecayed. The module hands the optimizer factory a flat
+list of the student's trainable tensors, so the groups are told apart by shape: 1-D
+tensors (norm weights, biases) get no decay, matrices (projections, embeddings) do.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import get_cosine_schedule_with_warmup
+
+
+def decay_groups(params, weight_decay: float) -> list[dict]:
+    """Two parameter groups: matrices with `weight_decay`, 1-D tensors without."""
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        raise ValueError("decay_groups takes tensors, not parameter groups")
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay},
+                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+
+
+def adamw(params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999),
+          eps: float = 1e-8, **kwargs) -> torch.optim.AdamW:
+    """torch.optim.AdamW whose weight decay skips norms and biases (see decay_groups)."""
+    if not lr > 0 or not math.isfinite(lr):
+        raise ValueError(f"optimizer.lr must be a finite number > 0, got {lr}")
+    return torch.optim.AdamW(decay_groups(params, weight_decay), lr=lr, betas=tuple(betas),
+                             eps=eps, **kwargs)
+
+
+def cosine_with_warmup(optimizer, num_training_steps: int, warmup_ratio: float = 0.03,
+                       num_cycles: float = 0.5):
+    """Linear warmup over `warmup_ratio` of the steps (at least one), then cosine to 0."""
+    if not 0 <= warmup_ratio < 1:
+        raise ValueError(f"scheduler.warmup_ratio must be in [0, 1), got {warmup_ratio}")
+    if num_training_steps is None or not math.isfinite(num_training_steps):
+        raise ValueError("a warmup ratio needs a finite number of steps: set "
+                         "trainer.max_steps")
+    warmup = max(1, round(warmup_ratio * num_training_steps)) if warmup_ratio else 0
+    return get_cosine_schedule_with_warmup(optimizer, warmup, int(num_training_steps),
+                                           num_cycles=num_cycles)

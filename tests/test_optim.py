@@ -1,0 +1,51 @@
+"""The fine-tuning optimizer leaves norms and biases undecayed; the schedule warms up."""
+
+import pytest
+import torch
+
+from distill.optim import adamw, cosine_with_warmup, decay_groups
+
+
+def test_norms_and_biases_are_not_decayed():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5),
+                                torch.nn.Embedding(7, 5))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = adamw(model.parameters(), lr=0.1, weight_decay=0.5, betas=[0.9, 0.95])
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # the Adam step is zero: only the decay moves weights
+    opt.step()
+    for name, p in model.named_parameters():
+        factor = 1.0 if p.ndim == 1 else 1 - 0.1 * 0.5
+        torch.testing.assert_close(p.detach(), before[name] * factor, rtol=0, atol=1e-7)
+    assert sorted(len(g["params"]) for g in opt.param_groups) == [2, 3]  # 2 matrices, 3 vectors
+    assert {g["weight_decay"] for g in opt.param_groups} == {0.0, 0.5}
+
+
+def test_decay_groups_edges():
+    vector = torch.zeros(3)
+    groups = decay_groups([vector], 0.1)  # no empty group for the optimizer to carry
+    assert len(groups) == 1 and groups[0]["weight_decay"] == 0.0
+    assert groups[0]["params"][0] is vector
+    with pytest.raises(ValueError, match="takes tensors"):
+        decay_groups([{"params": [torch.zeros(2, 2)]}], 0.1)
+    with pytest.raises(ValueError, match="optimizer.lr must be a finite number > 0"):
+        adamw([torch.nn.Parameter(torch.zeros(2))], lr=0.0)
+
+
+def test_warmup_then_cosine():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = cosine_with_warmup(opt, num_training_steps=100, warmup_ratio=0.1)
+    lrs = []
+    for _ in range(100):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == 0.0 and lrs[5] == pytest.approx(1.0) and lrs[10] == pytest.approx(2.0)
+    assert lrs[55] == pytest.approx(1.0, rel=1e-6) and lrs[-1] < 1e-3
+    tiny = cosine_with_warmup(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+                              num_training_steps=3, warmup_ratio=0.03)
+    assert tiny.get_last_lr() == [0.0]  # one warmup step at least, even for 3 steps
+    with pytest.raises(ValueError, match="warmup_ratio must be in"):
+        cosine_with_warmup(opt, num_training_steps=10, warmup_ratio=1.0)
+    with pytest.raises(ValueError, match="set trainer.max_steps"):
+        cosine_with_warmup(opt, num_training_steps=float("inf"))

@@ -1,0 +1,49 @@
+"""The GPU presets keep the student's small updates: fp32 master weights under bf16-mixed.
+
+AdamW's update at lr 1e-5 is about 1e-5 per weight; a bf16 weight of 0.02 has a spacing
+of 2**-14 (6e-5) near it, so the update rounds away. The composed GPU configuration must
+keep the trainable student's weights in a dtype where it does not.
+"""
+
+import pytest
+import torch
+
+from distill.models import trainable_dtype
+
+
+def moved_fraction(dtype: torch.dtype, steps: int = 10, lr: float = 1e-5) -> float:
+    """Fraction of weights of scale 0.02 that AdamW at `lr` moves at all in `steps` steps."""
+    start = torch.randn(4096, dtype=torch.float64) * 0.02
+    weight = torch.nn.Parameter(start.to(dtype))
+    opt = torch.optim.AdamW([weight], lr=lr, weight_decay=0.0)
+    for _ in range(steps):
+        weight.grad = torch.randn_like(weight)
+        opt.step()
+    return (weight.detach() != start.to(dtype)).double().mean().item()
+
+
+@pytest.mark.parametrize("preset", ["gpu", "ddp"], ids=["one_gpu", "ddp"])
+def test_default_gpu_config_keeps_small_updates(compose_cfg, tiny_assets, preset):
+    cfg = compose_cfg("student=hf", "teacher=hf", f"trainer={preset}",
+                      f"student.name_or_path={tiny_assets['student']}",
+                      f"teacher.name_or_path={tiny_assets['teacher']}")
+    dtype = trainable_dtype(cfg.student.dtype, cfg.trainer.precision)
+    assert dtype == torch.float32
+    assert moved_fraction(dtype) > 0.99
+    assert cfg.teacher.dtype == "bfloat16"  # the frozen teacher is bf16 on GPUs
+
+
+def test_bf16_weights_lose_small_updates():
+    # the same check fails for bf16 weights: this is what it guards against
+    assert moved_fraction(torch.bfloat16) < 0.5
+
+
+def test_bf16_true_preset_is_explicitly_lossy(compose_cfg, tiny_assets):
+    cfg = compose_cfg("student=hf", "teacher=hf", "trainer=gpu_bf16_true",
+                      f"student.name_or_path={tiny_assets['student']}",
+                      f"teacher.name_or_path={tiny_assets['teacher']}")
+    # Lightning converts the module whatever dtype the student was loaded in
+    assert trainable_dtype(cfg.student.dtype, cfg.trainer.precision) == torch.bfloat16
+    assert trainable_dtype("float32", "bf16-mixed") == torch.float32
+    assert trainable_dtype("bfloat16", "bf16-mixed") == torch.bfloat16
+    assert trainable_dtype("float32", "64-true") == torch.float64
