@@ -15,10 +15,13 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from distill.config import validate
+from distill.lightning_version import check_lightning_version
 from distill.models import DEMO_ASSETS, check_head_rows, check_same_tokenizer, load_tokenizer
 from distill.module import DistillModule
 from distill.paths import register_resolvers
 from distill.report import evaluate_models, print_summary, trained_student
+from distill.resume import resolve_ckpt_path
 
 if not OmegaConf.has_resolver("distill_demo"):
     OmegaConf.register_new_resolver("distill_demo", lambda: str(DEMO_ASSETS))
@@ -37,6 +40,8 @@ def instantiate(node, **kwargs):
 
 def train(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
+    validate(cfg)  # types and ranges, before anything loads
+    check_lightning_version()
     L.seed_everything(cfg.seed, workers=True)
     tokenizer = load_tokenizer(cfg.tokenizer)
     teacher = instantiate(cfg.teacher) if cfg.get("teacher") else None
@@ -64,7 +69,8 @@ def train(cfg: DictConfig) -> dict:
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
 
     before = evaluate_models(cfg, tokenizer, {"teacher": teacher, "untrained student": student})
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), callbacks)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     export = next((cb for cb in callbacks if hasattr(cb, "saved_to")), None)
     after = evaluate_models(cfg, tokenizer,
                             {"distilled student": trained_student(student, trainer, export)})

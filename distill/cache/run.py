@@ -10,6 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from distill.cache.job import CacheJob, CacheSettings
+from distill.config import validate
 from distill.models import DEMO_ASSETS, check_head_rows, load_tokenizer
 from distill.paths import register_resolvers
 
@@ -19,6 +20,7 @@ register_resolvers()  # ${distill_output_dir:}: Hydra's run or sweep-job folder
 
 
 def cache_teacher_logits(cfg: DictConfig) -> dict:
+    validate(cfg)  # types and ranges, before the teacher loads
     L.seed_everything(cfg.seed)
     c = cfg.cache
     teacher = instantiate(c.teacher)  # a LiveTeacher: the model whose top-k we keep

@@ -24,6 +24,7 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
+from distill.lightning_version import check_lightning_version
 from distill.normalization import StepCounts, count_tensor
 
 # Strategies under which "return loss * K * W" is not the exact compensation.
@@ -155,6 +156,7 @@ class StepTokenCounter(L.Callback):
     # --- Lightning hooks --------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit":
+            check_lightning_version()  # the lookahead reads Lightning internals
             check_strategy(trainer.strategy)
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -190,7 +192,9 @@ class StepTokenCounter(L.Callback):
         return {"epoch": self._epoch, "consumed": self._consumed, "rng": self._epoch_rng,
                 "rng_now": [g.get_state() for g in _generators(loader)] if loader else None,
                 "window_start": w.start if w else 0,
-                "loader_state": w.loader_state if w else None}
+                "loader_state": w.loader_state if w else None,
+                "accumulate": self.accumulate,
+                "batch_size": getattr(loader, "batch_size", None) if loader else None}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._resume = dict(state_dict)
@@ -235,8 +239,8 @@ class StepTokenCounter(L.Callback):
         self._epoch_rng = None
         loader = wrapped.loader
         resume, self._resume = self._resume, None
-        if resume and resume["epoch"] == self._epoch and \
-                0 < resume["consumed"] < self.epoch_batches:
+        if resume and self._mid_epoch(resume):
+            _check_unchanged(resume, self.accumulate, getattr(loader, "batch_size", None))
             if prefetched:
                 raise RuntimeError("StepTokenCounter cannot resume mid-epoch when Lightning "
                                    "prefetches (a train loader without a length)")
@@ -247,8 +251,26 @@ class StepTokenCounter(L.Callback):
             # as they were then, not from the freshly built loader's
             self._epoch_rng = resume["rng_now"]
             _set_generators(loader, resume["rng_now"])
+            if self._restart_index() >= self.epoch_batches:
+                # saved when training ended with its epoch: Lightning runs this epoch empty,
+                # and opening the loader would draw the next epoch's shuffle seed too early
+                return iter(())
             return _WindowIterator(self, loader, iter(loader), 0)
         return _WindowIterator(self, loader, live, len(prefetched), prefetched)
+
+    def _mid_epoch(self, resume: dict) -> bool:
+        """Whether the checkpoint stopped inside an epoch that this run must finish."""
+        if not 0 < resume["consumed"] < self.epoch_batches:
+            return False
+        if resume["epoch"] == self._epoch:
+            return True
+        # saved when training ended (max_steps) mid-epoch: Lightning counted that epoch as
+        # done, yet restarts at its next micro-batch index; the data continue the saved epoch
+        return resume["epoch"] + 1 == self._epoch and self._restart_index() == resume["consumed"]
+
+    def _restart_index(self) -> int:
+        """The micro-batch index at which Lightning (re)starts the current epoch."""
+        return self._trainer.fit_loop.epoch_loop.batch_progress.current.ready
 
     def _reset_epoch(self) -> None:
         self._windows.clear()
@@ -285,3 +307,16 @@ class StepTokenCounter(L.Callback):
                                "number of batches per epoch")
         return StepCounts(valid=valid, real=real, sequences=sequences, micro_batches=w.size,
                           world_size=world, accumulate=trainer.accumulate_grad_batches)
+
+
+def _check_unchanged(resume: dict, accumulate: int, batch_size: int | None) -> None:
+    """A mid-epoch resume continues the saved step windows: K and the batch size must match."""
+    for key, saved, now in (("trainer.accumulate_grad_batches", resume.get("accumulate"),
+                             accumulate),
+                            ("data.batch_size", resume.get("batch_size"), batch_size)):
+        if saved is not None and now is not None and saved != now:
+            raise ValueError(
+                f"cannot resume mid-epoch with {key}={now}: the checkpoint was written with "
+                f"{key}={saved}, so the micro-batches already trained and the step windows "
+                f"would not line up (a short or misplaced step). Resume with {key}={saved}; "
+                "a change is exact from a checkpoint saved at an epoch's end")
