@@ -21,11 +21,12 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from distill.data.sources import KINDS as SOURCE_KINDS
 from distill.losses.spec import KINDS, SPARSE_MODES
+from distill.models import DTYPES as MODEL_DTYPE_TABLE
 from distill.normalization import POLICIES
 
-# names accepted by distill.models.load_causal_lm (its DTYPES table)
-MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
+MODEL_DTYPES = tuple(MODEL_DTYPE_TABLE)  # the names load_causal_lm accepts
 CACHE_DTYPES = ("float16", "bfloat16")  # of the stored log-probs
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true",
               "bf16", "16", "64", 32, 16, 64, "transformer-engine",
@@ -136,6 +137,9 @@ RULES: dict[str, Rule] = {
     "data.num_workers": integer(0),
     "data.seed": integer(0),
     "data.pad_to_multiple_of": integer(1),
+    "data.chat_template": text(null=True),
+    "data.assistant_turns": choice(("all", "last")),
+    "data.cpt_stride": integer(1, null=True, what=" (null: max_length - 1)"),
     # --- loss (distill.losses.linear_divergence through DistillModule) ---
     "loss.kind": choice(KINDS),
     "loss.beta": number(0, strict=False, hi=1),
@@ -178,6 +182,7 @@ RULES: dict[str, Rule] = {
     "optimizer.weight_decay": number(0, strict=False),
     "optimizer.momentum": number(0, strict=False),
     "scheduler.num_warmup_steps": integer(0),
+    "scheduler.warmup_ratio": number(0, strict=False, hi=1),
     "evaluate.path": text(),
     "evaluate.max_examples": integer(1, null=True),
     "evaluate.max_new_tokens": integer(1),
@@ -188,7 +193,7 @@ RULES: dict[str, Rule] = {
 # each key of a data source (an item of data.train / data.val)
 SOURCE_RULES: dict[str, Rule] = {
     "name": text(),
-    "kind": choice(("sft", "cpt")),
+    "kind": choice(SOURCE_KINDS),
     "path": text(),
     "split": text(),
     "field": text(),

@@ -61,7 +61,14 @@ BAD = [
     ("data.train.0.weight=-1", "data.train[0].weight=-1 (source 'demo_sft'): must be a finite "
      "number > 0"),
     ("data.train.0.kind=chat", "data.train[0].kind='chat' (source 'demo_sft'): must be one of "
-     "sft, cpt"),
+     "sft, cpt, prompts"),
+    ("data.train=[{name:a,kind:sft,path:x.jsonl,max_examples:0}]", "data.train[0].max_examples=0 (source 'a'): must be "
+     "an integer >= 1 or null"),
+    ("data.assistant_turns=first", "data.assistant_turns='first': must be one of all, last"),
+    ("data.cpt_stride=0", "data.cpt_stride=0: must be an integer >= 1 or null"),
+    ("data.chat_template=''", "data.chat_template='': must be a non-empty string or null"),
+    ("scheduler={warmup_ratio:1.5}", "scheduler.warmup_ratio=1.5: must be a finite number >= 0 "
+     "and <= 1"),
     ("trainer.max_steps=0", "trainer.max_steps=0: must be an integer >= 1 or -1"),
     ("trainer.precision=bf15-mixed", "trainer.precision='bf15-mixed': must be one of 32-true"),
     ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1: must be a finite number"),
@@ -89,6 +96,7 @@ def edited(cfg, *overrides):
     """`cfg` with command-line overrides applied, values typed by Hydra's own parser (so
     `no` is the string 'no' and `inf` a float, as on the command line)."""
     cfg = cfg.copy()
+    OmegaConf.set_struct(cfg, False)
     for o in OverridesParser.create().parse_overrides(list(overrides)):
         OmegaConf.update(cfg, o.key_or_group, o.value(), merge=False)
     return cfg
