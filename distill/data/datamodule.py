@@ -64,6 +64,9 @@ class DistillDataModule(L.LightningDataModule):
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.max_length, self.num_workers, self.seed = max_length, num_workers, seed
         self.shuffle, self.packing = shuffle, packing
+        if not isinstance(max_length, int) or max_length < 2:
+            raise ValueError(f"data.max_length={max_length!r} is too short: an example needs "
+                             "at least 2 tokens (a token, and the next one it predicts)")
         if assistant_turns not in ("all", "last"):
             raise ValueError(f"data.assistant_turns must be 'all' or 'last', got "
                              f"{assistant_turns!r}")

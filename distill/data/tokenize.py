@@ -155,7 +155,8 @@ def report(tok, source: dict, rows: int, max_length: int) -> None:
     if kind == "sft" and parts.count(1):
         parts_note = (f"; {parts.count(1)} rows became one example per assistant turn (the "
                       "chat template rewrites earlier turns)")
-    note = "; ".join(f"{n} {WHY[r]}" for r, n in sorted(count.items()))
+    why = {**WHY, "too_long": "prompts longer than max_length"} if kind == "prompts" else WHY
+    note = "; ".join(f"{n} {why[r]}" for r, n in sorted(count.items()))
     line = (f"data source {name!r} ({kind}): {rows} rows -> {kept} examples"
             + (f"; {truncated} truncated to max_length={max_length} "
                f"({sum(cuts)} tokens cut)" if truncated else "")
@@ -171,10 +172,10 @@ WHY = {"no_assistant": "rows without an assistant turn",
 
 def raise_empty(name, kind, rows, count, need, max_length) -> None:
     if count.get("too_long"):
-        what = "prompts" if kind == "prompts" else "prompts: no assistant token fits"
-        raise ValueError(f"data.max_length={max_length} is too short for the {what} of data "
-                         f"source {name!r} (the shortest needs max_length >= {need}); raise "
-                         "data.max_length")
+        what = "every prompt is longer" if kind == "prompts" else "no assistant token fits"
+        raise ValueError(f"data.max_length={max_length} is too short for the prompts of data "
+                         f"source {name!r}: {what} (the shortest example needs max_length >= "
+                         f"{need}); raise data.max_length")
     if count.get("no_assistant"):
         raise ValueError(f"data source {name!r} has no trainable token: none of its {rows} "
                          "rows has an assistant turn (role 'assistant'); SFT trains the "

@@ -64,11 +64,12 @@ def test_prompts_longer_than_max_length_are_dropped_and_counted(chatml, tmp_path
     with caplog.at_level(logging.INFO, logger="distill.data.tokenize"):
         dm.setup("fit")
     assert dm.train_set["example_id"] == ["p:0", "p:2"]
-    assert "3 rows -> 2 examples; dropped: 1 examples longer than max_length" in caplog.text
+    assert "3 rows -> 2 examples; dropped: 1 prompts longer than max_length" in caplog.text
     dm = DistillDataModule(chatml, train=[{"name": "p", "kind": "prompts", "path": path}],
                            max_length=20)
     with pytest.raises(ValueError, match=f"max_length=20 is too short for the prompts of "
-                       f"data source 'p' .the shortest needs max_length >= {base + 1}"):
+                       f"data source 'p': every prompt is longer .the shortest example needs "
+                       f"max_length >= {base + 1}"):
         dm.setup("fit")
 
 

@@ -1,0 +1,119 @@
+"""SFT rows through the DataModule: row formats, and errors that name the source, the row
+(its line in the jsonl file) and the field."""
+
+import json
+import logging
+
+import pytest
+
+from distill.data import DistillDataModule
+from tests.data.templates import CHATML, make_chat_tokenizer
+
+Q = {"role": "user", "content": "2+2?"}
+A = {"role": "assistant", "content": "4"}
+
+
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory):
+    return make_chat_tokenizer(tmp_path_factory.mktemp("chatml"), CHATML)
+
+
+def setup(tok, tmp_path, rows=None, lines=None, suffix=".jsonl", **kw):
+    path = tmp_path / f"d{suffix}"
+    path.write_text("".join(lines) if lines is not None else
+                    "".join(json.dumps(r) + "\n" for r in rows))
+    dm = DistillDataModule(tok, train=[{"name": "d", "kind": "sft", "path": str(path)}], **kw)
+    dm.setup("fit")
+    return dm
+
+
+def trained_text(tok, ex):
+    return "".join(tok.convert_ids_to_tokens([t for t in ex["labels"] if t != -100]))
+
+
+def test_prompt_completion_rows_strings_and_message_lists(chatml, tmp_path):
+    [first] = setup(chatml, tmp_path, [{"prompt": "2+2?", "completion": "4"}]).train_set
+    [second] = setup(chatml, tmp_path, [
+        {"prompt": [{"role": "system", "content": "Be brief."}, Q],
+         "completion": [{"role": "assistant", "content": "four"}]}]).train_set
+    assert trained_text(chatml, first) == "4<|im_end|>"
+    assert "".join(chatml.convert_ids_to_tokens(first["input_ids"])).startswith(
+        "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>")
+    assert trained_text(chatml, second) == "four<|im_end|>"
+    assert "Be brief." in "".join(chatml.convert_ids_to_tokens(second["input_ids"]))
+
+
+@pytest.mark.parametrize("lines,match", [
+    (['{"messages": [{"role": "user", "content": "a"}]}\n', "\n", '{"messages": [\n'],
+     r"data source 'd': line 3 of .*d.jsonl is not valid JSON"),
+    ([json.dumps({"messages": [Q, A]}) + "\n", json.dumps({"other": 1}) + "\n"],
+     r"data source 'd', row 2 \(line 2 of .*d.jsonl\): field 'messages' is missing or null"),
+    ([json.dumps({"messages": [Q, {"role": "assistant", "content": None}]}) + "\n"],
+     r"row 1 \(line 1 of .*\): messages\[1\].content is missing or null \(role 'assistant'\)"),
+    ([json.dumps({"messages": [Q, A]}) + "\n", "\n",
+      json.dumps({"messages": [{"content": "x"}, A]}) + "\n"],
+     r"row 2 \(line 3 of .*\): messages\[0\] has no `role`"),
+    ([json.dumps({"messages": [Q, A]}) + "\n", json.dumps({"messages": []}) + "\n"],
+     r"row 2 \(line 2 of .*\): field 'messages' is an empty conversation"),
+    ([json.dumps({"messages": "hi"}) + "\n"],
+     r"row 1 .*field 'messages' is a string; it must be a list of \{role, content\}"),
+])
+def test_bad_rows_name_source_row_and_field(chatml, tmp_path, lines, match):
+    with pytest.raises(ValueError, match=match):
+        setup(chatml, tmp_path, lines=lines)
+
+
+def test_malformed_json_file(chatml, tmp_path):
+    with pytest.raises(ValueError, match=r"d.json is not valid JSON at line 2, column \d+"):
+        setup(chatml, tmp_path, lines=['[{"messages": []},\n', '{"messages": ]\n'],
+              suffix=".json")
+
+
+def test_no_assistant_turn_is_not_blamed_on_the_template(chatml, tmp_path, caplog):
+    rows = [{"messages": [Q, {"role": "user", "content": "x"}]}] * 3
+    with pytest.raises(ValueError, match="none of its 3 rows has an assistant turn") as err:
+        setup(chatml, tmp_path, rows)
+    assert "template" not in str(err.value) and "kind: prompts" in str(err.value)
+    with caplog.at_level(logging.INFO, logger="distill.data.tokenize"):
+        dm = setup(chatml, tmp_path, rows + [{"messages": [Q, A]}])
+    assert dm.train_set["example_id"] == ["d:3"]
+    assert "4 rows -> 1 examples; dropped: 3 rows without an assistant turn" in caplog.text
+
+
+def test_max_length_too_short_for_the_prompts(chatml, tmp_path):
+    rows = [{"messages": [Q, A]}] * 2
+    frame = "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
+    prompt = len(chatml(frame + "<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
+    with pytest.raises(ValueError, match=r"data.max_length=5 is too short for the prompts of "
+                       r"data source 'd': no assistant token fits \(the shortest example needs "
+                       rf"max_length >= {prompt + 1}\); raise data.max_length"):
+        setup(chatml, tmp_path, rows, max_length=5)
+    for bad in (0, 1, -1):
+        with pytest.raises(ValueError, match=f"data.max_length={bad} is too short: an example "
+                                             "needs at least 2 tokens"):
+            setup(chatml, tmp_path, rows, max_length=bad)
+
+
+def test_truncation_is_logged_and_keeps_the_start(chatml, tmp_path, caplog):
+    rows = [{"messages": [Q, {"role": "assistant", "content": "x" * 50}]}, {"messages": [Q, A]}]
+    full = setup(chatml, tmp_path, rows).train_set.to_list()
+    limit = len(full[0]["input_ids"]) - 20
+    with caplog.at_level(logging.INFO, logger="distill.data.tokenize"):
+        cut = setup(chatml, tmp_path, rows, max_length=limit).train_set.to_list()
+    assert cut[0]["input_ids"] == full[0]["input_ids"][:limit]
+    assert cut[0]["labels"] == full[0]["labels"][:limit]
+    assert cut[1] == full[1]
+    assert (f"2 rows -> 2 examples; 1 truncated to max_length={limit} (20 tokens cut)"
+            in caplog.text)
+
+
+def test_empty_file_and_kind_errors(chatml, tmp_path):
+    with pytest.raises(ValueError, match="data source 'd' .*d.jsonl. is empty"):
+        setup(chatml, tmp_path, lines=["\n\n"])
+    path = tmp_path / "x.jsonl"
+    path.write_text(json.dumps({"messages": [Q, A]}) + "\n")
+    dm = DistillDataModule(chatml, train=[{"name": "x", "kind": "chat", "path": str(path)}])
+    with pytest.raises(ValueError, match="kind must be 'sft' .*, 'cpt' .* or 'prompts'"):
+        dm.setup("fit")
+    with pytest.raises(ValueError, match="assistant_turns must be 'all' or 'last'"):
+        DistillDataModule(chatml, train=[{"path": str(path)}], assistant_turns="every")
