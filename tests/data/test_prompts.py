@@ -83,3 +83,17 @@ def test_a_prompts_source_needs_a_prompt(chatml, tmp_path):
     with pytest.raises(ValueError, match=r"row 1 \(line 1 of .*q.jsonl\): field 'messages' "
                                          "holds no prompt"):
         dm.setup("fit")
+
+
+def test_config_validator_knows_the_data_keys(compose_cfg):
+    from distill.config import problems
+
+    ok = compose_cfg("+experiment=sft_rkl", "data.assistant_turns=last", "data.cpt_stride=64",
+                     "data.train=[{name: p, kind: prompts, path: x.jsonl}]")
+    assert problems(ok) == []
+    bad = compose_cfg("+experiment=sft_rkl", "data.assistant_turns=first", "data.cpt_stride=0",
+                      "data.train=[{name: p, kind: chat, path: x.jsonl}]")
+    found = "\n".join(problems(bad))
+    assert "data.assistant_turns='first': must be one of all, last" in found
+    assert "data.cpt_stride=0: must be an integer >= 1 or null" in found
+    assert "data.train[0].kind='chat' (source 'p'): must be one of sft, cpt, prompts" in found
