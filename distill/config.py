@@ -165,6 +165,13 @@ RULES: dict[str, Rule] = {
     "teacher.top_k": integer(1),
     "teacher.temperature": number(0, strict=True),
     "teacher.sparse_mode": choice(SPARSE_MODES),
+    # --- performance switches (distill/levers.py) ---
+    "speed.gradient_checkpointing": boolean(),
+    "speed.compile": boolean(),
+    "speed.compile_backend": text(),
+    "speed.liger": boolean(),
+    "speed.attention": choice(("sdpa", "eager", "flash_attention_2", "flex_attention"),
+                              null=True),
     # --- the teacher-logit cache (conf/teacher/cached.yaml, conf/cache.yaml) ---
     "cache.dir": text(),
     "cache.top_k": integer(1, what=" (K, ids kept per position)"),

@@ -16,6 +16,7 @@ from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from distill.config import validate
+from distill.levers import Speed, apply_levers
 from distill.lightning_version import check_lightning_version
 from distill.models import DEMO_ASSETS, check_head_rows, check_same_tokenizer, load_tokenizer
 from distill.module import DistillModule
@@ -54,6 +55,8 @@ def train(cfg: DictConfig) -> dict:
     check_head_rows(student, vocab, "student")
     if getattr(teacher, "model", None) is not None:  # a cached teacher has no model
         check_head_rows(teacher.model, vocab, "teacher")
+    apply_levers(Speed.from_config(OmegaConf.to_container(cfg.get("speed") or {})), student,
+                 getattr(teacher, "model", None))
     datamodule = instantiate(cfg.data, tokenizer=tokenizer)
     if hasattr(teacher, "check_data"):  # a cached teacher must match this tokenizer and data
         teacher.check_data(datamodule, tokenizer)

@@ -1,0 +1,116 @@
+"""Performance switches (`speed:` in conf/train.yaml), applied once the models are built.
+
+Each lever changes how the student and the live teacher run, never what they compute:
+gradient checkpointing of the student's decoder layers, `torch.compile` of each decoder
+layer (regional compilation: one layer's code is compiled once and reused by every layer,
+which keeps the compile time to seconds at 8B), Liger-Kernel's fused RMSNorm / SwiGLU /
+RoPE patched into the model instances, and the attention implementation (sdpa by default;
+flash-attention 2 when the package is installed). docs/benchmarks.md measures each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+ATTENTION = ("sdpa", "eager", "flash_attention_2", "flex_attention")
+
+
+@dataclass(frozen=True)
+class Speed:
+    gradient_checkpointing: bool = False  # student only: the teacher keeps no activations
+    compile: bool = False  # torch.compile each decoder layer of student and teacher
+    compile_backend: str = "inductor"
+    liger: bool = False  # Liger-Kernel RMSNorm / SwiGLU / RoPE in student and teacher
+    attention: str | None = None  # null keeps each model's own attn_implementation
+
+    @classmethod
+    def from_config(cls, cfg) -> Speed:
+        cfg = dict(cfg or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(cfg) - set(known))
+        if unknown:
+            raise ValueError(f"unknown speed option(s) {unknown}: the levers are "
+                             f"{sorted(known)} (distill/levers.py)")
+        for name in ("gradient_checkpointing", "compile", "liger"):
+            if name in cfg and not isinstance(cfg[name], bool):
+                raise ValueError(f"speed.{name} must be true or false, got {cfg[name]!r}")
+        attention = cfg.get("attention")
+        if attention is not None and attention not in ATTENTION:
+            raise ValueError(f"speed.attention={attention!r} is not one of {ATTENTION} "
+                             "(or null to keep each model's own)")
+        return cls(**cfg)
+
+    def active(self) -> list[str]:
+        on = [n for n in ("gradient_checkpointing", "compile", "liger") if getattr(self, n)]
+        return on + ([f"attention={self.attention}"] if self.attention else [])
+
+
+def apply_levers(speed: Speed, student, teacher_model=None) -> list[str]:
+    """Switch the levers on for `student` and, where they apply, `teacher_model` (a live
+    teacher's HF model; None for a cached teacher). Returns what was applied."""
+    models = [m for m in (student, teacher_model) if m is not None]
+    if speed.attention:
+        for model in models:
+            set_attention(model, speed.attention)
+    if speed.liger:
+        for model in models:
+            apply_liger(model)
+    if speed.gradient_checkpointing:
+        # non-reentrant: works with frozen inputs, FSDP units and torch.compile
+        student.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    if speed.compile:
+        for model in models:
+            compile_layers(model, speed.compile_backend)
+    return speed.active()
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated blocks of an HF causal LM (the modules HF checkpoints one by one)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise TypeError(f"{type(model).__name__} has no decoder layers that distill "
+                        "recognizes (transformers' GradientCheckpointingLayer subclasses)")
+    return layers
+
+
+def compile_layers(model, backend: str = "inductor") -> None:
+    """torch.compile each decoder layer in place (parameter names are unchanged, so
+    checkpoints and the HF export are the same as without it)."""
+    for layer in decoder_layers(model):
+        layer.compile(backend=backend, dynamic=False)
+
+
+def apply_liger(model) -> None:
+    """Patch Liger-Kernel's fused RMSNorm, SwiGLU MLP and RoPE into this model instance."""
+    try:
+        from liger_kernel.transformers.monkey_patch import (
+            MODEL_TYPE_TO_APPLY_LIGER_FN,
+            _apply_liger_kernel_to_instance,
+        )
+    except ImportError as err:
+        raise ImportError("speed.liger=true needs liger-kernel: pip install liger-kernel "
+                          "(it runs Triton kernels on CUDA GPUs)") from err
+    if not torch.cuda.is_available():
+        raise RuntimeError("speed.liger=true needs a CUDA GPU (Liger's kernels are Triton GPU "
+                           "kernels): set speed.liger=false on CPU")
+    if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise ValueError(f"liger-kernel has no kernels for model_type="
+                         f"{model.config.model_type!r}: set speed.liger=false")
+    # the loss never calls the model's head: leave the cross-entropy patches off
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
+                                    cross_entropy=False, fused_linear_cross_entropy=False)
+
+
+def set_attention(model, implementation: str) -> None:
+    if implementation.startswith("flash"):
+        from transformers.utils import is_flash_attn_2_available
+
+        if not is_flash_attn_2_available():
+            raise ImportError(f"speed.attention={implementation} needs the flash-attn package "
+                              "(pip install flash-attn, CUDA GPUs only); sdpa is the default")
+    model.set_attn_implementation(implementation)

@@ -1,0 +1,115 @@
+"""FSDP for a student and a live teacher (the `trainer=fsdp` preset).
+
+Lightning's FSDPStrategy wraps the whole LightningModule in one FSDP unit unless told how
+to split it. `DistillFSDP` splits it so that both models are sharded and the fused loss
+still sees full LM-head weights:
+
+- every decoder layer of the student and of the teacher is its own unit (one dtype per
+  unit: the student's fp32 master weights, the teacher's bf16);
+- the student's embeddings, final norm and LM head stay in the root unit, which is
+  gathered for the whole training step (Lightning calls `training_step` through the root's
+  forward and FSDP keeps the root unsharded until backward), so the loss gets the full
+  (V, H) head and FSDP reduce-scatters its gradient like any other;
+- the teacher's parameters outside its decoder layers (embeddings, final norm, LM head:
+  about 2 GiB at 8B) are left out of FSDP and replicated: the teacher hands its head to the
+  loss outside any forward, where a sharded weight would be a flat piece of it.
+
+With `bf16-mixed`, gradients are reduced in fp32 (Lightning's default reduces them in
+bf16) and buffers (RoPE frequencies) keep their dtype. Sharded checkpoints leave the frozen
+teacher out, as DistillModule's checkpoints do; loading them restores the student and its
+optimizer only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from lightning.pytorch.strategies import FSDPStrategy
+
+from distill.levers import decoder_layers
+
+
+class DistillFSDP(FSDPStrategy):
+    def __init__(self, reduce_fp32: bool = True, **kwargs):
+        if "auto_wrap_policy" in kwargs or "ignored_states" in kwargs:
+            raise ValueError("DistillFSDP chooses the FSDP units itself (decoder layers; the "
+                             "teacher's head replicated): drop auto_wrap_policy / "
+                             "ignored_states, or use lightning's FSDPStrategy directly")
+        super().__init__(**kwargs)
+        self.reduce_fp32 = reduce_fp32
+
+    @property
+    def mixed_precision_config(self):
+        from torch.distributed.fsdp import MixedPrecision
+
+        config = super().mixed_precision_config
+        if config is None or self.mixed_precision is not None or not self.reduce_fp32:
+            return config
+        if config.param_dtype in (torch.bfloat16, torch.float16):
+            return MixedPrecision(param_dtype=config.param_dtype, reduce_dtype=torch.float32)
+        return config
+
+    def _setup_model(self, model):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        if not any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+            layers, ignored = fsdp_units(model)
+            self.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(layers)
+            for p in ignored:  # FSDP moves only what it manages
+                p.data = p.data.to(self.root_device)
+            self.kwargs["ignored_states"] = ignored
+        return super()._setup_model(model)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None):
+        from lightning.fabric.strategies.fsdp import (
+            _METADATA_FILENAME,
+            _get_sharded_state_dict_context,
+            _is_sharded_checkpoint,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_sharded_checkpoint(path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        with _get_sharded_state_dict_context(self.model):
+            full = self.model.state_dict()
+            # the checkpoint holds no teacher (DistillModule.on_save_checkpoint): load the
+            # rest and keep the teacher as it is
+            saved = {"model": {k: v for k, v in full.items() if not k.startswith("teacher.")}}
+            torch.distributed.checkpoint.load(saved, checkpoint_id=path)
+            self.model.load_state_dict({**full, **saved["model"]})
+            if self.lightning_module.trainer.state.fn == "fit":
+                self._load_optimizers(path, saved["model"])
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+    def _load_optimizers(self, path: Path, model_state: dict) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        for i, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{i}"
+            state = load_sharded_optimizer_state_dict(
+                model_state_dict=model_state, optimizer_key=key,
+                storage_reader=FileSystemReader(path))
+            optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(
+                optim_state_dict=state[key], model=self.model, optim=optimizer))
+
+
+def fsdp_units(module) -> tuple[set[type], list[torch.nn.Parameter]]:
+    """(the decoder-layer classes that become FSDP units, the parameters left replicated)
+    of a DistillModule."""
+    teacher = getattr(getattr(module, "teacher", None), "model", None)
+    models = [module.student] + ([teacher] if teacher is not None else [])
+    layers = {type(m) for model in models for m in decoder_layers(model)}
+    return layers, replicated_teacher_params(module)
+
+
+def replicated_teacher_params(module) -> list[torch.nn.Parameter]:
+    """The live teacher's parameters outside its decoder layers (none for a cached one)."""
+    teacher = getattr(getattr(module, "teacher", None), "model", None)
+    if teacher is None:
+        return []
+    in_layers = {id(p) for layer in decoder_layers(teacher) for p in layer.parameters()}
+    return [p for p in teacher.parameters() if id(p) not in in_layers]

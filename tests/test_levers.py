@@ -1,0 +1,127 @@
+"""The performance switches (distill/levers.py) and the step benchmark's CPU path."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from distill.levers import Speed, apply_levers, decoder_layers
+from distill.models import final_hidden_states
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_llama(seed=0, layers=2):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=40,
+                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).double().train()
+
+
+def hidden_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    hidden = final_hidden_states(model, ids)
+    (hidden.square() * torch.linspace(-1, 2, hidden.shape[-1], dtype=hidden.dtype)).sum() \
+        .backward()
+    return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                             if p.grad is not None}  # the LM head is not used here
+
+
+def test_config_errors_name_the_key_and_the_fix():
+    with pytest.raises(ValueError, match=r"unknown speed option\(s\) \['complie'\]"):
+        Speed.from_config({"complie": True})
+    with pytest.raises(ValueError, match="speed.compile must be true or false, got 'no'"):
+        Speed.from_config({"compile": "no"})
+    with pytest.raises(ValueError, match="speed.attention='flash'.*sdpa"):
+        Speed.from_config({"attention": "flash"})
+    assert Speed.from_config(None).active() == []
+    assert Speed.from_config({"gradient_checkpointing": True, "attention": "eager"}).active() \
+        == ["gradient_checkpointing", "attention=eager"]
+
+
+def test_gradient_checkpointing_recomputes_and_keeps_every_gradient():
+    plain, ckpt = tiny_llama(), tiny_llama()
+    teacher = tiny_llama(seed=1)
+    assert apply_levers(Speed(gradient_checkpointing=True), ckpt, teacher) \
+        == ["gradient_checkpointing"]
+    assert ckpt.is_gradient_checkpointing and not teacher.is_gradient_checkpointing
+    calls = []
+    for layer in decoder_layers(ckpt):  # count the layers that go through the checkpoint
+        inner = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = \
+            lambda *a, inner=inner, **k: calls.append(1) or inner(*a, **k)
+    ids = torch.randint(0, 97, (3, 11))
+    h0, g0 = hidden_and_grads(plain, ids)
+    h1, g1 = hidden_and_grads(ckpt, ids)
+    assert len(calls) == 2  # both decoder layers
+    torch.testing.assert_close(h1, h0, rtol=1e-12, atol=1e-12)
+    assert g1.keys() == g0.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_compile_wraps_every_decoder_layer_and_computes_the_same():
+    plain, compiled = tiny_llama(layers=2), tiny_llama(layers=2)
+    apply_levers(Speed(compile=True, compile_backend="eager"), compiled)
+    assert all(layer._compiled_call_impl is not None for layer in decoder_layers(compiled))
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    ids = torch.randint(0, 97, (2, 9))
+    h0, g0 = hidden_and_grads(plain, ids)
+    h1, g1 = hidden_and_grads(compiled, ids)
+    torch.testing.assert_close(h1, h0, rtol=1e-12, atol=1e-12)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_liger_refuses_without_a_gpu_or_the_package():
+    with pytest.raises((ImportError, RuntimeError), match="speed.liger=true needs"):
+        apply_levers(Speed(liger=True), tiny_llama())
+
+
+def test_flash_attention_is_refused_clearly_when_missing():
+    from transformers.utils import is_flash_attn_2_available
+
+    if is_flash_attn_2_available():
+        pytest.skip("flash-attn is installed here")
+    with pytest.raises(ImportError, match="needs the flash-attn package.*sdpa is the default"):
+        apply_levers(Speed(attention="flash_attention_2"), tiny_llama())
+
+
+def test_attention_lever_switches_both_models():
+    student, teacher = tiny_llama(), tiny_llama(seed=1)
+    apply_levers(Speed(attention="eager"), student, teacher)
+    assert student.config._attn_implementation == teacher.config._attn_implementation == "eager"
+
+
+def test_train_applies_the_levers_from_the_config(compose_cfg, monkeypatch):
+    import distill.train
+
+    seen = {}
+    monkeypatch.setattr(distill.train, "apply_levers",
+                        lambda speed, student, teacher: seen.update(speed=speed,
+                                                                    teacher=teacher))
+    cfg = compose_cfg("speed.gradient_checkpointing=true", "trainer.max_steps=1",
+                      "trainer.val_check_interval=1")
+    distill.train.train(cfg)
+    assert seen["speed"] == Speed(gradient_checkpointing=True)
+    assert isinstance(seen["teacher"], torch.nn.Module)
+
+
+def test_bench_train_tiny_runs_every_row_on_cpu(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_train
+
+    rows = bench_train.main(["--tiny", "--pairs", "qwen", "--levers-on", "qwen", "--levers",
+                             "flash", "--max-rows", "2", "--reps", "1", "--out", str(tmp_path)])
+    by = {r["name"]: r for r in rows}
+    for name in ("teacher forward alone (floor)", "full logits + torch KL", "distill",
+                 "distill, checkpointing", "cached top-64, targets on the GPU",
+                 "cached top-64, targets from a prefetching DataLoader (2 workers)"):
+        assert by[f"qwen: {name}"]["ms"] > 0, name
+    assert by["qwen: distill: largest micro-batch"]["largest_rows"] == 2
+    assert by["lever flash-attention varlen"]["skipped"].startswith("unavailable")
+    assert (tmp_path / "bench_train.json").exists()
