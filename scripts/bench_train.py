@@ -57,6 +57,7 @@ class Run:
         self.args, self.rows, self.t0 = args, [], time.time()
         self.device = torch.device("cpu" if args.tiny else "cuda")
         self.cuda = self.device.type == "cuda"
+        self.reset = lambda: None  # drops what a failed step left (its gradients)
 
     def left(self) -> float:
         return self.args.budget_s - (time.time() - self.t0)
@@ -124,6 +125,7 @@ def measure(run: Run, name: str, make_step, rows: int, flops: tuple, est_s: floa
         run.add(row)
         return None
     t0 = time.time()
+    run.reset()
     try:
         step = make_step(rows)
         if run.cuda:
@@ -176,6 +178,7 @@ def bench_pair(run: Run, pair: str, levers: bool) -> None:
                  student_params=sum(p.numel() for p in student.parameters()),
                  teacher_params=sum(p.numel() for p in teacher.parameters())))
     module = make_module(student, teacher, vocab)
+    run.reset = lambda: module.optimizer.zero_grad(set_to_none=True)
     seq, rows = args.seq, args.rows
 
     def at(step_fn, mod=module):
@@ -214,6 +217,7 @@ def bench_pair(run: Run, pair: str, levers: bool) -> None:
     if levers:
         max_batches(run, pair, student, at, cached_at, flops)
         lever_rows(run, student, teacher, row, at)
+    run.reset = lambda: None
 
 
 def max_batches(run: Run, pair: str, student, at, cached_at, flops) -> None:
