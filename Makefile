@@ -11,9 +11,9 @@ BENCH_OUT ?= bench_out
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-install:  ## install torch (CPU build if none) and the package with its dev extras
+install:  ## install torch (CPU build if none) and the package with its dev, loggers, lora extras
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q $(TORCH_CPU)
-	$(PYTHON) -m pip install -q -e ".[dev]"
+	$(PYTHON) -m pip install -q -e ".[dev,loggers,lora]"
 
 demo: install  ## distil the bundled demo teacher into a fresh student on CPU (< 5 min)
 	$(PYTHON) -m distill.train +experiment=$(EXPERIMENT)

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from distill.config import validate
 from distill.levers import Speed, apply_levers
 from distill.lightning_version import check_lightning_version
+from distill.loggers import build_loggers, close_loggers
 from distill.models import DEMO_ASSETS, check_head_rows, check_same_tokenizer, load_tokenizer
 from distill.module import DistillModule
 from distill.paths import register_resolvers
@@ -68,7 +69,7 @@ def train(cfg: DictConfig) -> dict:
     for cb in callbacks:
         if hasattr(cb, "tokenizer") and cb.tokenizer is None:
             cb.tokenizer = tokenizer
-    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    logger = build_loggers(cfg.get("logger"))  # logger=csv, =[csv,tensorboard], =many
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
 
     before = evaluate_models(cfg, tokenizer, {"teacher": teacher, "untrained student": student})
@@ -87,6 +88,7 @@ def train(cfg: DictConfig) -> dict:
     }
     if trainer.is_global_zero:
         print_summary(summary)
+    close_loggers(logger)
     return summary
 
 

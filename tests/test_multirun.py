@@ -72,7 +72,7 @@ def test_in_process_without_hydra_job_falls_back_to_one_timestamped_folder(monke
     # one folder for the whole config, however late it is read
     assert cfg.callbacks.export.dirpath == f"{out}/student"
     assert cfg.callbacks.checkpoint.dirpath == f"{out}/checkpoints"
-    assert cfg.logger.save_dir == out
+    assert cfg.logger.csv.save_dir == out
     assert _compose("paths.output_dir=/tmp/mine").callbacks.export.dirpath == "/tmp/mine/student"
 
 

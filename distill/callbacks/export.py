@@ -1,5 +1,8 @@
 """Save the student as a Hugging Face folder (model + tokenizer) when training ends.
 
+A LoRA student (distill/lora.py) is saved as its adapter in PEFT's format (plus the LM head
+when it trained), or with `merge=True` as the plain model with the adapters folded in.
+
 A folder already there (an earlier run's export in a reused output dir, or a resumed run's)
 is never overwritten: it is renamed to `student.<its date_time>` first, with a log line.
 """
@@ -16,9 +19,12 @@ log = logging.getLogger(__name__)
 
 
 class ExportStudent(L.Callback):
-    def __init__(self, dirpath: str, tokenizer=None):
+    def __init__(self, dirpath: str, tokenizer=None, merge: bool = False):
+        if not isinstance(merge, bool):
+            raise ValueError(f"callbacks.export.merge={merge!r}: must be true or false")
         self.dirpath = Path(dirpath)
         self.tokenizer = tokenizer
+        self.merge = merge  # LoRA students: save the merged model rather than the adapter
         self.saved_to: Path | None = None
 
     def on_train_end(self, trainer, pl_module):
@@ -30,11 +36,27 @@ class ExportStudent(L.Callback):
             student = {k.removeprefix("student."): v for k, v in state.items()
                        if k.startswith("student.") and k.removeprefix("student.")
                        not in _tied_aliases(pl_module.student)}
-            pl_module.student.save_pretrained(self.dirpath, state_dict=student)
+            save_student(pl_module.student, student, self.dirpath, self.merge)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(self.dirpath)
         trainer.strategy.barrier("export")  # the other ranks may read the folder next
         self.saved_to = self.dirpath
+
+
+def save_student(model, state: dict, dirpath: Path, merge: bool) -> None:
+    from distill.lora import is_lora
+
+    if not is_lora(model):
+        model.save_pretrained(dirpath, state_dict=state)
+        return
+    from distill.lora import merged_state_dict, save_adapter, trained_head_key
+
+    if merge:
+        model.save_pretrained(dirpath, state_dict=merged_state_dict(model, state))
+    else:
+        save_adapter(model, state, dirpath, head_key=trained_head_key(model, state))
+    log.info("LoRA student exported to %s (%s)", dirpath, "merged" if merge else
+             "adapter: PeftModel.from_pretrained(base model, this folder) loads it")
 
 
 def move_aside(path: Path) -> Path | None:
