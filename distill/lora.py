@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from transformers import PreTrainedModel
+
 from distill.models import load_causal_lm, resolve_path
 
 log = logging.getLogger(__name__)
@@ -174,6 +176,19 @@ def trained_head_key(model, state: dict) -> str | None:
             if name in state:
                 return name
     raise KeyError("the trained LM head is not in the gathered state dict")
+
+
+def load_exported(path) -> PreTrainedModel:
+    """An exported student as a plain model: a full folder as it is, an adapter folder
+    merged onto its base (the report scores it so after an FSDP fit)."""
+    path = Path(path)
+    if not (path / "adapter_config.json").exists():
+        return load_causal_lm(str(path), dtype="auto")
+    from peft import PeftConfig, PeftModel
+
+    base = PeftConfig.from_pretrained(str(path)).base_model_name_or_path
+    model = PeftModel.from_pretrained(load_causal_lm(base, dtype="auto"), str(path))
+    return model.merge_and_unload()
 
 
 def lora_parameters(model) -> tuple[int, int]:

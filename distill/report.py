@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from transformers import PreTrainedModel
 
-from distill.models import load_causal_lm
+from distill.lora import load_exported
 from distill.teachers import LiveTeacher
 
 
@@ -18,7 +18,7 @@ def trained_student(student, trainer, export):
         return student
     if export is None or export.saved_to is None:
         return None
-    model = load_causal_lm(str(export.saved_to), dtype="auto")
+    model = load_exported(export.saved_to)  # a LoRA adapter is merged onto its base
     return model.to(trainer.strategy.root_device)
 
 

@@ -11,7 +11,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from distill.lora import check_lora, load_student
+from distill.lora import check_lora, load_exported, load_student
 from distill.train import train
 
 LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
@@ -115,6 +115,7 @@ def test_trains_and_exports(compose_cfg, tiny_assets, tmp_path, train_head, merg
         # a frozen head: no gradient at all (the loss skipped its weight GEMM)
         assert (head_grad is None) != train_head
     base = AutoModelForCausalLM.from_pretrained(tiny_assets["student"])
+    ids = torch.randint(0, base.config.vocab_size, (2, 13))
     out = Path(summary["student_dir"])
     if merge:
         assert not (out / "adapter_config.json").exists()
@@ -124,7 +125,9 @@ def test_trains_and_exports(compose_cfg, tiny_assets, tmp_path, train_head, merg
         saved = load_file(out / "adapter_model.safetensors")
         assert (f"base_model.model.{head_key}" in saved) == train_head
         again = PeftModel.from_pretrained(base, out)
-    ids = torch.randint(0, base.config.vocab_size, (2, 13))
+        # what the report scores after an FSDP fit: the adapter merged onto its base
+        torch.testing.assert_close(_logits(load_exported(out), ids), _logits(student, ids),
+                                   rtol=1e-5, atol=1e-5)
     want = _logits(student, ids)
     torch.testing.assert_close(_logits(again, ids), want, rtol=1e-5, atol=1e-5)
     fresh = AutoModelForCausalLM.from_pretrained(tiny_assets["student"])
@@ -160,3 +163,25 @@ def test_resume_from_checkpoint_continues_the_same_run(compose_cfg, tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-7)
+
+
+def test_bench_script_runs_tiny_on_cpu(tmp_path):
+    """scripts/bench_lora.py --tiny: the GPU benchmark's code path, in seconds on a CPU."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts/bench_lora.py"
+    spec = importlib.util.spec_from_file_location("bench_lora", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--tiny", "--rank", "4", "--out", str(tmp_path)])
+    full, lora, head = rows
+    assert [r["mode"] for r in rows] == ["full", "lora r=4", "lora r=4+head"]
+    assert all(r["steps"] == 4 and r["tokens_per_s"] > 0 for r in rows)
+    student, _ = bench.SHAPES["tiny"]
+    vocab, h, layers = 512, student["hidden_size"], student["num_hidden_layers"]
+    # r * (in + out) per Linear, r = 4: q, k, v, o are h x h here, gate, up, down h x 2h
+    per_layer = 4 * 4 * (h + h) + 3 * 4 * (h + 2 * h)
+    assert lora["trainable_params"] == layers * per_layer
+    assert head["trainable_params"] == lora["trainable_params"] + vocab * h  # tied head
+    assert full["trainable_params"] > head["trainable_params"]
+    assert "| lora r=4 |" in (tmp_path / "bench_lora.md").read_text()
