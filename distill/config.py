@@ -158,6 +158,11 @@ RULES: dict[str, Rule] = {
     "student.dtype": choice(MODEL_DTYPES),
     "student.attn_implementation": text(null=True),
     "student.seed": integer(0, null=True),
+    "student.lora.r": integer(1, null=True, what=" (the LoRA rank; null: full fine-tuning)"),
+    "student.lora.alpha": Rule(lambda v: v is None or number(0, strict=True).check(v),
+                               "a finite number > 0 or null (2 * r)"),
+    "student.lora.dropout": Rule(lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "student.lora.train_head": boolean(),
     "teacher.name_or_path": text(),
     "teacher.dtype": choice(MODEL_DTYPES),
     "teacher.attn_implementation": text(null=True),
@@ -195,6 +200,8 @@ RULES: dict[str, Rule] = {
     "evaluate.max_new_tokens": integer(1),
     "callbacks.checkpoint.every_n_train_steps": integer(0, null=True),
     "callbacks.progress.refresh_rate": integer(0),
+    "callbacks.export.merge": boolean(),
+    "callbacks.throughput.window_size": integer(2, what=" (micro-batches)"),
 }
 
 # each key of a data source (an item of data.train / data.val)

@@ -185,3 +185,18 @@ def test_bench_script_runs_tiny_on_cpu(tmp_path):
     assert head["trainable_params"] == lora["trainable_params"] + vocab * h  # tied head
     assert full["trainable_params"] > head["trainable_params"]
     assert "| lora r=4 |" in (tmp_path / "bench_lora.md").read_text()
+
+
+@pytest.mark.parametrize("override, match", [
+    ("student.lora.r=0", "student.lora.r=0: must be an integer >= 1 or null"),
+    ("student.lora.alpha=-2", "student.lora.alpha=-2: must be a finite number > 0 or null"),
+    ("student.lora.dropout=1", r"student.lora.dropout=1: must be a number in \[0, 1\)"),
+    ("student.lora.train_head=no", "student.lora.train_head='no': must be true or false"),
+    ("callbacks.export.merge=off", "callbacks.export.merge='off': must be true or false"),
+])
+def test_the_config_validator_checks_lora_keys_before_anything_loads(compose_cfg, override,
+                                                                      match):
+    from distill.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_cfg("student=hf", override))
