@@ -14,7 +14,8 @@ still sees full LM-head weights:
   about 2 GiB at 8B) are left out of FSDP and replicated: the teacher hands its head to the
   loss outside any forward, where a sharded weight would be a flat piece of it.
 
-With `bf16-mixed`, gradients are reduced in fp32 (Lightning's default reduces them in
+`full_state_dict()` gathers the full state for the HF export even when checkpoints are
+sharded. With `bf16-mixed`, gradients are reduced in fp32 (Lightning's default reduces them in
 bf16) and buffers (RoPE frequencies) keep their dtype. Sharded checkpoints leave the frozen
 teacher out, as DistillModule's checkpoints do; loading them restores the student and its
 optimizer only.
@@ -81,7 +82,19 @@ class DistillFSDP(FSDPStrategy):
             self.model.load_state_dict({**full, **saved["model"]})
             if self.lightning_module.trainer.state.fn == "fit":
                 self._load_optimizers(path, saved["model"])
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        metadata = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        # the weights are in place already; DistillModule.on_load_checkpoint still expects
+        # the key (it adds the teacher's entries, which FSDP's load_model_state_dict ignores)
+        metadata.setdefault("state_dict", {})
+        return metadata
+
+    def full_state_dict(self) -> dict:
+        """The whole module's state gathered on rank 0 (every rank must call it), whatever
+        state_dict_type the checkpoints use: what the HF export needs."""
+        from lightning.fabric.strategies.fsdp import _get_full_state_dict_context
+
+        with _get_full_state_dict_context(self.model, world_size=self.world_size):
+            return self.model.state_dict()
 
     def _load_optimizers(self, path: Path, model_state: dict) -> None:
         from torch.distributed.checkpoint import FileSystemReader

@@ -20,14 +20,20 @@ from distill.teachers import LiveTeacher
 
 
 def test_ddp_preset_builds_a_two_process_ddp_trainer(compose_cfg):
+    from distill.config import validate
+
     cfg = compose_cfg("trainer=ddp", "trainer.accelerator=cpu")
+    validate(cfg)
     trainer = instantiate(cfg.trainer, callbacks=[], logger=False)
     assert isinstance(trainer.strategy, DDPStrategy)
     assert trainer.num_devices == 2 and trainer.num_nodes == 1
 
 
 def test_fsdp_preset_composes_to_distill_fsdp_in_bf16_mixed(compose_cfg):
+    from distill.config import validate
+
     cfg = compose_cfg("trainer=fsdp")
+    validate(cfg)  # the schema accepts the preset
     assert cfg.trainer.accelerator == "gpu" and cfg.trainer.precision == "bf16-mixed"
     strategy = instantiate(cfg.trainer.strategy)
     assert isinstance(strategy, DistillFSDP)
@@ -71,3 +77,32 @@ def test_a_cached_teacher_replicates_nothing(tiny_assets):
                            optimizer=functools.partial(torch.optim.SGD, lr=0.1))
     layers, replicated = fsdp_units(module)
     assert {t.__name__ for t in layers} == {"LlamaDecoderLayer"} and replicated == []
+
+
+def test_export_gathers_the_full_state_even_with_sharded_checkpoints(tiny_assets, tmp_path):
+    """With state_dict_type=sharded, lightning_module_state_dict gives shards: the export
+    must use DistillFSDP.full_state_dict instead."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from distill.callbacks.export import ExportStudent
+
+    student = load_causal_lm(str(tiny_assets["student"]))
+    trained = {f"student.{k}": v + 1.0 for k, v in student.state_dict().items()}
+
+    class Sharded(DistillFSDP):  # the type only: no process group, no GPU
+        def lightning_module_state_dict(self):
+            raise AssertionError("the export read the sharded state")
+
+        def full_state_dict(self):
+            return trained
+
+        def barrier(self, name=None):
+            pass
+
+    trainer = SimpleNamespace(strategy=Sharded(state_dict_type="sharded"), is_global_zero=True)
+    ExportStudent(tmp_path / "export").on_train_end(trainer, SimpleNamespace(student=student))
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
+    for key, value in again.items():
+        torch.testing.assert_close(value, trained[f"student.{key}"], rtol=0, atol=0, msg=key)

@@ -30,7 +30,8 @@ class ExportStudent(L.Callback):
     def on_train_end(self, trainer, pl_module):
         # Every rank takes part: under FSDP this gathers the sharded parameters into a full
         # state dict (on rank 0); under DDP or one device it is the module's own.
-        state = trainer.strategy.lightning_module_state_dict()
+        full = getattr(trainer.strategy, "full_state_dict", None)  # DistillFSDP, sharded ckpts
+        state = full() if full else trainer.strategy.lightning_module_state_dict()
         if trainer.is_global_zero:
             move_aside(self.dirpath)
             student = {k.removeprefix("student."): v for k, v in state.items()
