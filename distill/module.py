@@ -4,11 +4,16 @@ Each training step computes per-token weights from the normalization policy and 
 token counts (set by the StepTokenCounter callback before the step's first micro-batch),
 then returns sum_i w_i loss_i * K * W: Lightning divides by K and DDP averages over W, so
 the accumulated gradient is exactly grad(sum over the step of w_i * loss_i).
+
+With on-policy distillation (`loss.on_policy.fraction` > 0) the counter first hands the
+step's window to `rollout_window`, where the student rewrites its rows with its own
+samples (distill.rollout); the counts are then taken on the rewritten window.
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 import lightning as L
 import torch
@@ -24,6 +29,14 @@ from distill.normalization import (
     local_step_counts,
     token_weights,
     warn_if_biased,
+)
+from distill.rollout import (
+    NEEDS_LIVE_TEACHER,
+    HFSampler,
+    OnPolicy,
+    RolloutStats,
+    rollout,
+    window_seed,
 )
 from distill.teachers import shift_flat, shift_labels
 
@@ -45,6 +58,7 @@ class DistillModule(L.LightningModule):
         )
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.vocab_size = vocab_size
+        self._setup_on_policy(loss, teacher, ignore_index)
         self.step_counts: StepCounts | None = None  # set by StepTokenCounter
         # sums kept on the device (no host sync per micro-batch): loss, divergence, ce over
         # the step; divergence, ce, teacher ce, tokens over the validation set
@@ -52,15 +66,88 @@ class DistillModule(L.LightningModule):
         self._val: torch.Tensor | None = None
         self._teacher_val_ce: float | None = None
 
+    # --- on-policy rollouts -----------------------------------------------------------
+    def _setup_on_policy(self, loss: dict, teacher, ignore_index: int) -> None:
+        self.on_policy = OnPolicy.from_config(loss.get("on_policy"))
+        # CE-only (divergence_weight=0): the dataset's labels alone, no sample, no teacher
+        self.ce_only = float(loss.get("divergence_weight", 1.0)) == 0.0
+        self.rolls_out = self.on_policy.fraction > 0 and not self.ce_only
+        self._rollout_stats: RolloutStats | None = None
+        self._rollout_end: float | None = None
+        self._sampled_sums: torch.Tensor | None = None
+        if not self.rolls_out:
+            return
+        if getattr(teacher, "model", None) is None:
+            raise ValueError(NEEDS_LIVE_TEACHER.format(self.on_policy.fraction))
+        # the sampled rows are trained on the divergence alone: a cross-entropy on the
+        # student's own samples would only reinforce them
+        self.sample_loss_fn = FusedLinearDivergence(
+            ignore_index=ignore_index,
+            **{**{k: loss[k] for k in LOSS_KEYS if k in loss}, "ce_weight": 0.0})
+        cfg = self.student.config
+        eos = cfg.eos_token_id if cfg.eos_token_id is not None else \
+            getattr(self.student.generation_config, "eos_token_id", None)
+        if eos is None:
+            raise ValueError("on-policy sampling needs the student's eos_token_id (its config "
+                             "has none): set it in the student's config.json")
+        eos = [eos] if isinstance(eos, int) else list(eos)
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else eos[0]
+        self.sampler = HFSampler(self.on_policy.temperature, self.on_policy.top_p,
+                                 self.on_policy.max_new_tokens, eos, pad, self.vocab_size)
+
+    def rollout_window(self, batches: list[dict], epoch: int, step: int) -> list[dict]:
+        """Called by the StepTokenCounter on each step window before counting it: the
+        student rewrites the chosen rows (every rank its own, seeded by epoch, step, rank)."""
+        if not self.rolls_out:
+            return batches
+        seed = window_seed(self.on_policy.seed, epoch, step, self.global_rank)
+        with self.trainer.precision_plugin.forward_context():  # the training autocast
+            out, stats = rollout(batches, self.sampler, self.student, self.on_policy, seed,
+                                 self.sampler.pad_token_id, self.sampler.eos_token_ids,
+                                 self.loss_fn.spec.ignore_index)
+        self._rollout_stats, self._rollout_end = stats, time.perf_counter()
+        return out
+
     # --- the loss -----------------------------------------------------------------
-    def _divergence(self, batch: dict, weights: torch.Tensor):
+    def _divergence(self, batch: dict, weights: torch.Tensor, train: bool = False):
         hidden = final_hidden_states(self.student, batch["input_ids"],
                                      batch.get("attention_mask"), batch.get("position_ids"))
         weight, head = lm_head(self.student)
         # position t predicts token t + 1 (the positions batch_masks weighs)
-        return self.loss_fn(shift_flat(hidden), weight, labels=shift_labels(batch["labels"]),
-                            weights=weights, student_head=head, vocab_size=self.vocab_size,
-                            return_components=True, **self.teacher.targets(batch))
+        hidden, labels = shift_flat(hidden), shift_labels(batch["labels"])
+        if train and self.ce_only:  # no teacher signal: the student against itself, weight 0
+            targets = {"teacher_hidden": hidden.detach(), "teacher_weight": weight.detach(),
+                       "teacher_head": head}
+        else:
+            targets = self.teacher.targets(batch)
+        common = dict(labels=labels, student_head=head, vocab_size=self.vocab_size,
+                      return_components=True, **targets)
+        sampled = batch.get("sampled")
+        if sampled is None or not bool(sampled.any()):
+            return self.loss_fn(hidden, weight, weights=weights, **common)
+        on = sampled[:, None].expand(-1, batch["labels"].shape[1] - 1).flatten()
+        self._score_samples(targets, labels, on)
+        if not self.loss_fn.spec.ce_weight:
+            return self.loss_fn(hidden, weight, weights=weights, **common)
+        loss_d, parts_d = self.loss_fn(hidden, weight, weights=weights * ~on, **common)
+        loss_s, parts_s = self.sample_loss_fn(hidden, weight, weights=weights * on, **common)
+        return loss_d + loss_s, {"divergence": parts_d["divergence"] + parts_s["divergence"],
+                                 "ce": parts_d["ce"]}
+
+    @torch.no_grad()
+    def _score_samples(self, targets: dict, labels: torch.Tensor, on: torch.Tensor) -> None:
+        """Sum of the teacher's log-probs of the sampled tokens, and their count (logs)."""
+        from distill.losses import linear_divergence
+
+        mask = on & (labels != self.loss_fn.spec.ignore_index)
+        t_h, t_w, t_head = targets["teacher_hidden"], targets["teacher_weight"], \
+            targets["teacher_head"]
+        _, parts = linear_divergence(t_h, t_w, teacher_hidden=t_h, teacher_weight=t_w,
+                                     student_head=t_head, teacher_head=t_head, labels=labels,
+                                     weights=mask.float(), kind="forward_kl",
+                                     vocab_size=self.vocab_size, return_components=True)
+        sums = torch.stack([-parts["ce"], mask.sum().float()])
+        self._sampled_sums = sums if self._sampled_sums is None else self._sampled_sums + sums
 
     def _step_counts(self, masks) -> StepCounts:
         if self.step_counts is not None:
@@ -88,7 +175,7 @@ class DistillModule(L.LightningModule):
         masks = batch_masks(batch, self.loss_fn.spec.ignore_index)
         step = self._step_counts(masks)
         weights = token_weights(self.policy, masks, step).flatten()
-        loss, parts = self._divergence(batch, weights)
+        loss, parts = self._divergence(batch, weights, train=True)
         window = torch.stack([loss.detach(), parts["divergence"], parts["ce"]])
         self._window = window if self._window is None else self._window + window
         return loss * (step.accumulate * step.world_size)
@@ -103,12 +190,30 @@ class DistillModule(L.LightningModule):
         self.log("train/kl", div, **opts)
         self.log("train/ce", ce, **opts)
         self._window = None
+        self._log_rollout()
         if self.step_counts is not None:
             s = self.step_counts
             self.log("train/step_valid_tokens", float(s.valid), on_step=True, on_epoch=False)
             self.log("train/step_real_tokens", float(s.real), on_step=True, on_epoch=False)
             self.log("train/valid_fraction", s.valid / max(s.real, 1), on_step=True,
                      on_epoch=False)
+
+    def _log_rollout(self) -> None:
+        stats, self._rollout_stats = self._rollout_stats, None
+        if stats is None:
+            return
+        opts = dict(on_step=True, on_epoch=False, sync_dist=True)
+        if stats.rows:
+            self.log("rollout/mean_length", stats.tokens / stats.rows, **opts)
+            self.log("rollout/cut_fraction", stats.cut / stats.rows, **opts)
+        if self._sampled_sums is not None:
+            logp, n = self._sampled_sums.tolist()
+            if n:
+                self.log("rollout/teacher_logprob", logp / n, **opts)
+        self._sampled_sums = None
+        self.log("time/rollout_s", stats.seconds, **opts)
+        if self._rollout_end is not None:
+            self.log("time/train_s", time.perf_counter() - self._rollout_end, **opts)
 
     # --- validation -----------------------------------------------------------------
     def validation_step(self, batch: dict, batch_idx: int):

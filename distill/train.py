@@ -24,6 +24,7 @@ from distill.module import DistillModule
 from distill.paths import register_resolvers
 from distill.report import evaluate_models, print_summary, trained_student
 from distill.resume import resolve_ckpt_path
+from distill.rollout import check_config as check_on_policy
 
 if not OmegaConf.has_resolver("distill_demo"):
     OmegaConf.register_new_resolver("distill_demo", lambda: str(DEMO_ASSETS))
@@ -45,6 +46,7 @@ def train(cfg: DictConfig) -> dict:
     validate(cfg)  # types and ranges, before anything loads
     check_lightning_version()
     L.seed_everything(cfg.seed, workers=True)
+    check_on_policy(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer)
     teacher = instantiate(cfg.teacher) if cfg.get("teacher") else None
     if teacher is None:
@@ -61,7 +63,7 @@ def train(cfg: DictConfig) -> dict:
     datamodule = instantiate(cfg.data, tokenizer=tokenizer)
     if hasattr(teacher, "check_data"):  # a cached teacher must match this tokenizer and data
         teacher.check_data(datamodule, tokenizer)
-    module = DistillModule(student, teacher, loss=OmegaConf.to_container(cfg.loss),
+    module = DistillModule(student, teacher, loss=OmegaConf.to_container(cfg.loss, resolve=True),
                            optimizer=instantiate(cfg.optimizer),
                            scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
                            vocab_size=vocab)

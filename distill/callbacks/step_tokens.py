@@ -7,6 +7,11 @@ them on one by one: each batch is loaded once and at most one step's micro-batch
 memory. At the window's first micro-batch the callback sums the counts over the ranks and
 sets `pl_module.step_counts`.
 
+The window is also where on-policy distillation samples: before counting, the lookahead
+hands the window to the module's `rollout_window` (if it has one), which returns the window
+with the student's completions in place of the chosen rows. The counts, and so the
+normalization, are those of the rewritten window.
+
 Windows follow Lightning's accumulation: within an epoch, micro-batch i belongs to step
 i // K, and the epoch's last window may be shorter. On a mid-epoch resume the lookahead puts
 the loader back where the checkpoint left it (from the loader's own state when it has one,
@@ -127,6 +132,7 @@ class _WindowIterator:
             except StopIteration:
                 break
             self.pos += 1
+        batches = self.counter._rollout(batches, start, bool(self.prefetched))
         counted = self.prefetched + batches
         self.prefetched = []
         if not counted:
@@ -198,6 +204,16 @@ class StepTokenCounter(L.Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._resume = dict(state_dict)
+
+    def _rollout(self, batches: list, start: int, prefetched: bool) -> list:
+        module = self._trainer.lightning_module if self._trainer else None
+        if not batches or not getattr(module, "rolls_out", False):
+            return batches
+        if prefetched:
+            raise RuntimeError("on-policy distillation rewrites each step's window before it "
+                               "runs, but Lightning prefetched some of it (a train loader "
+                               "without a length): give the train loader a length")
+        return module.rollout_window(batches, self._epoch, start // self.accumulate)
 
     # --- the lookahead ------------------------------------------------------------------
     def _loader(self):

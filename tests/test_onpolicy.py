@@ -1,0 +1,235 @@
+"""On-policy rollouts: config checks, how rows are rewritten, the HF sampler (KV cache,
+seeds, modes), the cached-teacher refusal and the CE-only arm that never samples."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from distill.models import load_causal_lm
+from distill.module import DistillModule
+from distill.rollout import HFSampler, OnPolicy, prompt_length, rollout, window_seed
+from distill.teachers import LiveTeacher
+
+EOS = 3
+
+
+@pytest.mark.parametrize("cfg,message", [
+    ({"fraction": 1.5}, "loss.on_policy.fraction=1.5 is out of range"),
+    ({"fraction": -0.1}, "loss.on_policy.fraction=-0.1 is out of range"),
+    ({"top_p": 0.0}, "loss.on_policy.top_p=0.0 is out of range"),
+    ({"temperature": -1.0}, "loss.on_policy.temperature=-1.0 is out of range"),
+    ({"max_new_tokens": 0}, "loss.on_policy.max_new_tokens=0 is out of range"),
+    ({"max_new_tokens": True}, "loss.on_policy.max_new_tokens=True is out of range"),
+    ({"fractoin": 0.5}, r"loss.on_policy has no key\(s\) \['fractoin'\]"),
+])
+def test_bad_on_policy_settings_are_refused(cfg, message):
+    with pytest.raises(ValueError, match=message):
+        OnPolicy.from_config(cfg)
+
+
+def test_prompt_is_everything_before_the_first_trained_label():
+    labels = torch.tensor([-100, -100, -100, 7, 8, -100, 9])
+    assert prompt_length(labels, real=7) == 3
+    assert prompt_length(torch.full((5,), -100), real=5) == 5  # prompt only: every token
+    assert prompt_length(torch.tensor([4, 5, 6]), real=3) == 1  # CPT: the first token
+    assert prompt_length(torch.tensor([-100, -100, 5, -100]), real=2) == 2  # padding ignored
+
+
+class TableSampler:
+    """Deterministic completions that depend on the prompt and the seed only; records calls."""
+
+    def __init__(self, max_new_tokens=4):
+        self.calls, self.max_new_tokens = [], max_new_tokens
+
+    def __call__(self, model, prompts, *, seed):
+        self.calls.append((prompts, seed))
+        out = []
+        for p in prompts:
+            n = (sum(p) + seed) % (self.max_new_tokens + 1) + 1  # 1..max+1 tokens
+            tokens = [10 + (t + seed) % 20 for t in range(n)]
+            out.append(tokens[: self.max_new_tokens] if n > self.max_new_tokens
+                       else tokens[:-1] + [EOS])
+        return out
+
+
+def _window():
+    sft = {"input_ids": torch.tensor([[1, 5, 6, 7, 8, 0], [1, 5, 7, 9, 0, 0]]),
+           "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]]),
+           "labels": torch.tensor([[-100, -100, -100, 7, 8, -100],
+                                   [-100, -100, 7, 9, -100, -100]]),
+           "example_id": ["a", "b"]}
+    prompts = {"input_ids": torch.tensor([[1, 6, 6, 2]]),
+               "attention_mask": torch.tensor([[1, 1, 1, 1]]),
+               "labels": torch.full((1, 4), -100)}
+    return [sft, prompts]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_rollout_rewrites_the_chosen_rows(fraction):
+    sampler, window = TableSampler(), _window()
+    cfg = OnPolicy(fraction=fraction, max_new_tokens=4)
+    out, stats = rollout(window, sampler, None, cfg, seed=13, pad_id=0, eos_ids=[EOS])
+    g = torch.Generator().manual_seed(13)
+    draw = torch.rand(3, generator=g).tolist()
+    chosen = [draw[0] < fraction, draw[1] < fraction, True]  # the prompt-only row: always
+    assert len(sampler.calls) == 1  # one call for the whole window
+    prompts = [[1, 5, 6], [1, 5], [1, 6, 6, 2]]
+    assert sampler.calls[0][0] == [p for p, c in zip(prompts, chosen) if c]
+    comps = sampler(None, [p for p, c in zip(prompts, chosen) if c], seed=13)
+    completions = iter(comps)
+    originals = [(window[0], 0), (window[0], 1), (window[1], 0)]
+    got_rows = [(out[0], 0), (out[0], 1), (out[1], 0)]
+    for (src, i), (dst, j), prompt, c in zip(originals, got_rows, prompts, chosen):
+        real = int(dst["attention_mask"][j].sum())
+        ids, labels = dst["input_ids"][j, :real].tolist(), dst["labels"][j, :real].tolist()
+        assert dst["attention_mask"][j, :real].all() and not dst["attention_mask"][j, real:].any()
+        assert (dst["labels"][j, real:] == -100).all()
+        assert bool(dst["sampled"][j]) == c
+        if c:
+            comp = next(completions)
+            assert ids == prompt + comp
+            assert labels == [-100] * len(prompt) + comp
+        else:
+            n = int(src["attention_mask"][i].sum())
+            assert ids == src["input_ids"][i, :n].tolist()
+            assert labels == src["labels"][i, :n].tolist()
+    assert out[0]["example_id"] == ["a", "b"]
+    assert stats.rows == sum(chosen) and stats.tokens == sum(len(c) for c in comps)
+    assert 0 < stats.cut < len(comps) or fraction < 1  # both kinds of ending are counted
+    assert stats.cut == sum(c[-1] != EOS for c in comps)
+
+
+def test_rollout_refuses_packed_and_left_padded_rows():
+    window = _window()
+    packed = [{**window[0], "position_ids": torch.zeros_like(window[0]["input_ids"])}]
+    with pytest.raises(ValueError, match="set data.packing=false"):
+        rollout(packed, TableSampler(), None, OnPolicy(fraction=1.0), 0, 0, [EOS])
+    left = [{**window[1], "attention_mask": torch.tensor([[0, 1, 1, 1]])}]
+    with pytest.raises(ValueError, match="need right-padded rows"):
+        rollout(left, TableSampler(), None, OnPolicy(fraction=1.0), 0, 0, [EOS])
+
+
+def test_window_seed_depends_on_every_part():
+    seeds = {window_seed(b, e, s, r) for b in (0, 1) for e in (0, 1) for s in (0, 7)
+             for r in (0, 1)}
+    assert len(seeds) == 16
+    assert window_seed(3, 1, 2, 0) == window_seed(3, 1, 2, 0)
+
+
+@functools.lru_cache(maxsize=1)
+def _student(path: str):
+    return load_causal_lm(path)
+
+
+def _sampler(model, temperature=1.0, top_p=1.0, n=6, vocab=None):
+    return HFSampler(temperature, top_p, n, [model.config.eos_token_id], 0, vocab)
+
+
+def test_sampler_is_seeded_restores_modes_and_rng(tiny_assets):
+    model = _student(str(tiny_assets["student"]))
+    model.train()
+    prompts = [[1, 5, 9, 12], [1, 7], [4, 4, 4, 4, 4, 4, 4]]
+    sample = _sampler(model)
+    rng = torch.random.get_rng_state()
+    a, b, c = sample(model, prompts, seed=5), sample(model, prompts, seed=5), \
+        sample(model, prompts, seed=6)
+    assert a == b and a != c
+    assert torch.equal(rng, torch.random.get_rng_state())  # the global stream is untouched
+    assert model.training and all(p.grad is None for p in model.parameters())
+    for row in a:
+        eos = model.config.eos_token_id
+        assert 1 <= len(row) <= 6 and eos not in row[:-1]
+
+
+def _greedy_without_cache(model, prompt, n, eos):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+            ids.append(int(logits.argmax()))
+            if ids[-1] == eos:
+                break
+    return ids[len(prompt):]
+
+
+def test_greedy_sampler_with_kv_cache_matches_a_loop_without_cache(tiny_assets):
+    model = _student(str(tiny_assets["student"]))
+    torch.manual_seed(0)
+    with torch.no_grad():  # a sharper model, so greedy paths are not all one token
+        for p in model.parameters():
+            p.mul_(4)
+    try:
+        prompts = [[1, 5, 9, 12, 30], [1, 7], [4, 40, 4, 41, 4, 42, 4]]
+        got = _sampler(model, temperature=0.0, n=8)(model, prompts, seed=0)
+        eos = model.config.eos_token_id
+        assert got == [_greedy_without_cache(model, p, 8, eos) for p in prompts]
+        assert len({tuple(g) for g in got}) > 1
+    finally:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.div_(4)
+
+
+def test_sampler_never_draws_ids_past_the_tokenizer(tiny_assets):
+    model = _student(str(tiny_assets["student"]))
+    vocab = 12  # pretend the head's later rows are padding
+    out = _sampler(model, n=16, vocab=vocab)(model, [[1, 2, 3]] * 8, seed=1)
+    assert all(t < vocab for row in out for t in row[:-1] if t != model.config.eos_token_id)
+    assert max(t for row in out for t in row) < max(vocab, model.config.eos_token_id + 1)
+
+
+def _module(tiny_assets, teacher, **loss):
+    student = load_causal_lm(str(tiny_assets["student"]))
+    return DistillModule(student, teacher, loss={"kind": "reverse_kl", **loss},
+                         optimizer=functools.partial(torch.optim.SGD, lr=0.0),
+                         vocab_size=student.config.vocab_size)
+
+
+def test_on_policy_needs_a_live_teacher(tiny_assets):
+    class Cached(torch.nn.Module):
+        model = None
+
+    with pytest.raises(ValueError, match="needs a live teacher to score the student's samples"):
+        _module(tiny_assets, Cached(), on_policy={"fraction": 0.5})
+    _module(tiny_assets, Cached(), on_policy={"fraction": 0.0})  # teacher-forced: fine
+
+
+def test_on_policy_with_cached_teacher_fails_at_start(compose_cfg):
+    from distill.train import train
+
+    with pytest.raises(ValueError, match="needs a live teacher"):
+        train(compose_cfg("+experiment=offline_fkl", "loss.on_policy.fraction=1.0"))
+
+
+class SpyTeacher(LiveTeacher):
+    calls = 0
+
+    def targets(self, batch):
+        SpyTeacher.calls += 1
+        return super().targets(batch)
+
+
+def test_ce_only_arm_never_samples_nor_runs_the_teacher(tiny_assets):
+    teacher = SpyTeacher(str(tiny_assets["teacher"]))
+    module = _module(tiny_assets, teacher, on_policy={"fraction": 1.0}, divergence_weight=0.0,
+                     ce_weight=1.0)
+    assert not module.rolls_out
+    window = _window()
+    assert module.rollout_window(window, 0, 0) is window  # untouched: the labels alone
+    batch = {k: v for k, v in window[0].items() if k != "example_id"}
+    batch["input_ids"] = batch["input_ids"] + 10
+    batch["labels"] = torch.where(batch["labels"] >= 0, batch["input_ids"], -100)
+    weights = (batch["labels"][:, 1:] != -100).flatten().float()
+    SpyTeacher.calls = 0
+    loss, parts = module._divergence(batch, weights, train=True)
+    assert SpyTeacher.calls == 0
+    # the loss is the plain cross-entropy of the labels, in float64
+    with torch.no_grad():
+        logits = module.student(batch["input_ids"],
+                                attention_mask=batch["attention_mask"]).logits.double()
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                           batch["labels"][:, 1:].flatten(), reduction="sum")
+    torch.testing.assert_close(loss.double(), ce, rtol=1e-5, atol=1e-6)
