@@ -140,6 +140,7 @@ RULES: dict[str, Rule] = {
     "data.chat_template": text(null=True),
     "data.assistant_turns": choice(("all", "last")),
     "data.cpt_stride": integer(1, null=True, what=" (null: max_length - 1)"),
+    "data.mix_stopping": choice(("first_exhausted", "all_exhausted")),
     # --- loss (distill.losses.linear_divergence through DistillModule) ---
     "loss.kind": choice(KINDS),
     "loss.beta": number(0, strict=False, hi=1),
@@ -152,6 +153,11 @@ RULES: dict[str, Rule] = {
     "loss.chunk_size": integer(1, null=True, what=" (null picks it from the shapes)"),
     "loss.fp32_weight_grad": boolean(),
     "loss.backend": choice(("auto", "torch", "triton")),
+    "loss.on_policy.fraction": number(0, strict=False, hi=1, what=" (0: teacher-forced only)"),
+    "loss.on_policy.temperature": number(0, strict=False, what=" (0: greedy)"),
+    "loss.on_policy.top_p": number(0, strict=True, hi=1),
+    "loss.on_policy.max_new_tokens": integer(1),
+    "loss.on_policy.seed": integer(0),
     # --- models ---
     "student.name_or_path": text(),
     "student.from_scratch": boolean(),

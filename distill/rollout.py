@@ -178,11 +178,32 @@ class RolloutStats:
     lengths: list[int] = field(default_factory=list)
 
 
-def prompt_length(labels: torch.Tensor, real: int, ignore_index: int = IGNORE_INDEX) -> int:
-    """Tokens before the first trained label (labels[t] is token t, predicted at t - 1);
-    all `real` tokens for a row without labels."""
-    trained = (labels[1:real] != ignore_index).nonzero()
-    return int(trained[0]) + 1 if len(trained) else real
+def prompt_length(labels: list[int], ignore_index: int = IGNORE_INDEX) -> int:
+    """Tokens before the first trained label of a row's real tokens (labels[t] is token t,
+    predicted at t - 1); all of them for a row without labels."""
+    for t in range(1, len(labels)):
+        if labels[t] != ignore_index:
+            return t
+    return len(labels)
+
+
+def _rows(batches: list[dict]) -> list[tuple[int, list[int], list[int]]]:
+    """(batch index, token ids, labels) of every row's real tokens, as plain lists."""
+    rows = []
+    for b, batch in enumerate(batches):
+        if "position_ids" in batch:
+            raise ValueError("on-policy distillation samples one completion per row, and "
+                             "packed rows hold several examples: set data.packing=false")
+        ids, labels = batch["input_ids"].tolist(), batch["labels"].tolist()
+        attn = batch.get("attention_mask")
+        lengths = [len(r) for r in ids] if attn is None else attn.sum(1).tolist()
+        right = attn is None or bool((attn.bool() == (torch.arange(attn.shape[1])[None]
+                                                      < attn.sum(1, keepdim=True))).all())
+        if not right:
+            raise ValueError("on-policy rollouts need right-padded rows (attention_mask "
+                             "1 then 0); this batch is padded on the left")
+        rows += [(b, r[:n], lab[:n]) for r, lab, n in zip(ids, labels, lengths)]
+    return rows
 
 
 def rollout(batches: list[dict], sampler, model, cfg: OnPolicy, seed: int, pad_id: int,
@@ -194,60 +215,34 @@ def rollout(batches: list[dict], sampler, model, cfg: OnPolicy, seed: int, pad_i
     window is split into micro-batches. Each batch gains `sampled` (B,) bool.
     """
     start = time.perf_counter()
-    rows = []  # (batch index, row index, token ids, labels, prompt length)
-    for b, batch in enumerate(batches):
-        if "position_ids" in batch:
-            raise ValueError("on-policy distillation samples one completion per row, and "
-                             "packed rows hold several examples: set data.packing=false")
-        attn = batch.get("attention_mask")
-        for i in range(batch["input_ids"].shape[0]):
-            real = int(attn[i].sum()) if attn is not None else batch["input_ids"].shape[1]
-            if attn is not None and not bool(attn[i, :real].all()):
-                raise ValueError("on-policy rollouts need right-padded rows (attention_mask "
-                                 "1 then 0); this batch is padded on the left")
-            labels = batch["labels"][i, :real]
-            rows.append((b, i, batch["input_ids"][i, :real], labels,
-                         prompt_length(labels, real, ignore_index)))
-    g = torch.Generator().manual_seed(seed)
-    draw = torch.rand(len(rows), generator=g)
-    chosen = [k for k, r in enumerate(rows)
-              if r[4] == len(r[3]) or float(draw[k]) < cfg.fraction]
-    completions = sampler(model, [rows[k][2][: rows[k][4]].tolist() for k in chosen],
-                          seed=seed) if chosen else []
-    new = {k: c for k, c in zip(chosen, completions)}
-    stats = RolloutStats(rows=len(chosen))
-    for c in completions:
-        stats.lengths.append(len(c))
-        stats.tokens += len(c)
-        stats.cut += int(not c or c[-1] not in eos_ids)
+    rows = _rows(batches)
+    plens = [prompt_length(lab, ignore_index) for _, _, lab in rows]
+    draw = torch.rand(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    chosen = [k for k, (_, ids, _) in enumerate(rows)
+              if plens[k] == len(ids) or draw[k] < cfg.fraction]
+    prompts = [rows[k][1][: plens[k]] for k in chosen]
+    completions = sampler(model, prompts, seed=seed) if chosen else []
+    stats = RolloutStats(rows=len(chosen), lengths=[len(c) for c in completions])
+    stats.tokens = sum(stats.lengths)
+    stats.cut = sum(not c or c[-1] not in eos_ids for c in completions)
+    built = [(ids, lab, False) for _, ids, lab in rows]
+    for k, p, c in zip(chosen, prompts, completions):
+        built[k] = (p + list(c), [ignore_index] * len(p) + list(c), True)
     out = []
     for b, batch in enumerate(batches):
-        members = [(k, r) for k, r in enumerate(rows) if r[0] == b]
-        built = [_rewritten(r, new.get(k), ignore_index) for k, r in members]
-        out.append(_collate(batch, built, [k in new for k, _ in members], pad_id,
+        out.append(_collate(batch, [x for x, r in zip(built, rows) if r[0] == b], pad_id,
                             ignore_index))
     stats.seconds = time.perf_counter() - start
     return out, stats
 
 
-def _rewritten(row, completion, ignore_index):
-    _, _, ids, labels, plen = row
-    if completion is None:
-        return ids.tolist(), labels.tolist()
-    return (ids[:plen].tolist() + completion, [ignore_index] * plen + list(completion))
-
-
-def _collate(batch: dict, built: list, sampled: list[bool], pad_id: int, ignore_index: int):
-    width = max(len(ids) for ids, _ in built)
-    n = len(built)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    labels = torch.full((n, width), ignore_index, dtype=torch.long)
-    attn = torch.zeros((n, width), dtype=torch.long)
-    for i, (row, lab) in enumerate(built):
-        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        labels[i, : len(lab)] = torch.tensor(lab, dtype=torch.long)
-        attn[i, : len(row)] = 1
+def _collate(batch: dict, built: list, pad_id: int, ignore_index: int) -> dict:
+    """Right-padded tensors from (ids, labels, sampled) rows; other keys kept as they are."""
+    width = max(len(ids) for ids, _, _ in built)
+    ids = torch.tensor([r + [pad_id] * (width - len(r)) for r, _, _ in built])
+    labels = torch.tensor([lab + [ignore_index] * (width - len(lab)) for _, lab, _ in built])
+    attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _, _ in built])
     out = {k: v for k, v in batch.items() if k not in WIDTH_KEYS}
     out.update(input_ids=ids, attention_mask=attn, labels=labels,
-               sampled=torch.tensor(sampled, dtype=torch.bool))
+               sampled=torch.tensor([s for _, _, s in built], dtype=torch.bool))
     return out

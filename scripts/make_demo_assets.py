@@ -92,6 +92,9 @@ def sorting(rng: random.Random) -> tuple[str, str]:
 
 
 TASKS = {"addition": addition, "reversal": reversal, "sorting": sorting}
+# The distillation demo (conf/experiment/onpolicy_rkl.yaml) uses the tasks a 2-layer student
+# can learn in minutes; addition's carries stay out of its reach (docs/notes/demo.md).
+DEMO_TASKS = ("reversal", "sorting")
 
 
 def make_example(prompt: str, answer: str, task: str) -> dict:
@@ -101,14 +104,16 @@ def make_example(prompt: str, answer: str, task: str) -> dict:
     }
 
 
-def make_sft_splits(rng: random.Random, n_train: int, n_val: int, n_test: int) -> dict:
-    """Unique prompts, balanced over the tasks; val and test never appear in train."""
-    seen: set[str] = set()
+def make_sft_splits(rng: random.Random, n_train: int, n_val: int, n_test: int,
+                    tasks=tuple(TASKS), seen: set[str] | None = None) -> dict:
+    """Unique prompts, balanced over the tasks; val and test never appear in train (nor do
+    any of the prompts in `seen`)."""
+    seen = set() if seen is None else seen
     splits = {}
     for split, size in [("test", n_test), ("val", n_val), ("train", n_train)]:
         examples = []
         while len(examples) < size:
-            task = list(TASKS)[len(examples) % len(TASKS)]
+            task = tasks[len(examples) % len(tasks)]
             prompt, answer = TASKS[task](rng)
             if prompt not in seen:
                 seen.add(prompt)
@@ -145,6 +150,27 @@ def make_cpt_split(rng: random.Random, size: int, exclude: set[str]) -> list[str
             exclude.add(line)
             lines.append(line)
     return lines
+
+
+def write_demo_tasks(out: Path, teacher_splits: dict, args) -> None:
+    """The distillation demo's data: a few labelled chats, many prompts without an answer
+    (`kind: prompts`), val and test; all new prompts (none in the teacher's data).
+
+    This is the semi-supervised setting where distillation pays off: the hard labels
+    cover only `--n-labeled` examples, while the teacher can score the student's answers
+    to every prompt (on-policy)."""
+    seen = {ex["messages"][0]["content"] for split in teacher_splits.values() for ex in split}
+    rng = random.Random(args.seed + 1)
+    demo = make_sft_splits(rng, args.n_labeled + args.n_prompts, args.n_eval, args.n_eval,
+                           tasks=DEMO_TASKS, seen=seen)
+    labeled, prompts = demo["train"][: args.n_labeled], demo["train"][args.n_labeled :]
+    write_jsonl(out / "data" / "tasks_labeled.jsonl", labeled)
+    write_jsonl(out / "data" / "tasks_prompts.jsonl",
+                [{"messages": ex["messages"][:1], "task": ex["task"]} for ex in prompts])
+    write_jsonl(out / "data" / "tasks_val.jsonl", demo["val"])
+    write_jsonl(out / "data" / "tasks_test.jsonl", demo["test"])
+    print(f"demo tasks: {len(labeled)} labelled, {len(prompts)} prompts, "
+          f"{args.n_eval} val, {args.n_eval} test")
 
 
 def write_jsonl(path: Path, examples: list[dict]) -> None:
@@ -302,6 +328,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-train", type=int, default=30000)
     p.add_argument("--n-eval", type=int, default=201, help="size of val and of test")
     p.add_argument("--n-cpt", type=int, default=3000)
+    p.add_argument("--n-labeled", type=int, default=128,
+                   help="labelled chats of the distillation demo (tasks_labeled.jsonl)")
+    p.add_argument("--n-prompts", type=int, default=20000,
+                   help="prompt-only rows of the distillation demo (tasks_prompts.jsonl)")
+    p.add_argument("--demo-tasks-only", action="store_true",
+                   help="only rewrite the distillation demo's tasks_*.jsonl (keeps the teacher)")
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -324,12 +356,15 @@ def main(argv=None) -> None:
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
     out = Path(args.out)
+    splits = make_sft_splits(rng, args.n_train, args.n_eval, args.n_eval)
+    if args.demo_tasks_only:
+        write_demo_tasks(out, splits, args)
+        return
     if out.exists():
         shutil.rmtree(out)
-
-    splits = make_sft_splits(rng, args.n_train, args.n_eval, args.n_eval)
     for split, examples in splits.items():
         write_jsonl(out / "data" / f"sft_{split}.jsonl", examples)
+    write_demo_tasks(out, splits, args)
     seen: set[str] = set()
     cpt = {
         "train": make_cpt_split(rng, args.n_cpt, seen),

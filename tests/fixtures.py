@@ -62,6 +62,12 @@ def make_data(root: Path, n_sft: int = 48, n_cpt: int = 32, seed: int = 0) -> di
         p = root / f"sft_{split}.jsonl"
         p.write_text("".join(json.dumps(r) + "\n" for r in rows))
         paths[f"sft_{split}"] = p
+    # the on-policy demo's layout (conf/data/tasks_demo.yaml): labelled chats and prompts
+    labeled = (root / "sft_train.jsonl").read_text().splitlines()
+    prompts = [json.dumps({"messages": json.loads(r)["messages"][:1]}) for r in labeled]
+    for name, lines in (("labeled", labeled[:8]), ("prompts", prompts), ("val", labeled[:4]),
+                        ("test", labeled[:4])):
+        (root / f"tasks_{name}.jsonl").write_text("\n".join(lines) + "\n")
     for split, n in (("train", n_cpt), ("val", 6)):
         lines = [" ".join(rng.choice(["one", "two", "sum", "is", "and"]) for _ in
                           range(rng.randint(3, 12))) for _ in range(n)]

@@ -31,11 +31,9 @@ def test_bad_on_policy_settings_are_refused(cfg, message):
 
 
 def test_prompt_is_everything_before_the_first_trained_label():
-    labels = torch.tensor([-100, -100, -100, 7, 8, -100, 9])
-    assert prompt_length(labels, real=7) == 3
-    assert prompt_length(torch.full((5,), -100), real=5) == 5  # prompt only: every token
-    assert prompt_length(torch.tensor([4, 5, 6]), real=3) == 1  # CPT: the first token
-    assert prompt_length(torch.tensor([-100, -100, 5, -100]), real=2) == 2  # padding ignored
+    assert prompt_length([-100, -100, -100, 7, 8, -100, 9]) == 3
+    assert prompt_length([-100] * 5) == 5  # prompt only: every token
+    assert prompt_length([4, 5, 6]) == 1  # CPT: position 0 predicts nothing; the first token
 
 
 class TableSampler:

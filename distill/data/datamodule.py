@@ -19,7 +19,7 @@ from distill.data.tokenize import tokenize_source
 
 
 def build_dataset(sources, tokenizer, max_length: int, seed: int, mix: bool = True,
-                  **options):
+                  stopping_strategy: str = "first_exhausted", **options):
     """Tokenized sources, mixed by weight (or concatenated). `options`: chat_template,
     assistant_turns, cpt_stride (distill.data.tokenize.tokenize_source)."""
     parts = [tokenize_source(load_source(s), s, tokenizer, max_length, **options)
@@ -31,7 +31,7 @@ def build_dataset(sources, tokenizer, max_length: int, seed: int, mix: bool = Tr
     weights = [float(s.get("weight", 1.0)) for s in sources]
     total = sum(weights)
     return datasets.interleave_datasets(parts, probabilities=[w / total for w in weights],
-                                        seed=seed, stopping_strategy="first_exhausted")
+                                        seed=seed, stopping_strategy=stopping_strategy)
 
 
 def check_packing_support() -> None:
@@ -55,7 +55,7 @@ class DistillDataModule(L.LightningDataModule):
                  num_workers: int = 0, seed: int = 0, shuffle: bool = True,
                  pad_to_multiple_of: int = 1, packing: bool = False,
                  chat_template: str | None = None, assistant_turns: str = "all",
-                 cpt_stride: int | None = None):
+                 cpt_stride: int | None = None, mix_stopping: str = "first_exhausted"):
         super().__init__()
         if not train:
             raise ValueError("data.train lists no source: add at least one {kind, path}")
@@ -72,6 +72,11 @@ class DistillDataModule(L.LightningDataModule):
                              f"{assistant_turns!r}")
         self.options = {"chat_template": chat_template, "assistant_turns": assistant_turns,
                         "cpt_stride": cpt_stride}
+        if mix_stopping not in ("first_exhausted", "all_exhausted"):
+            raise ValueError(f"data.mix_stopping must be 'first_exhausted' (the mix ends with "
+                             f"its first source used up) or 'all_exhausted' (smaller sources "
+                             f"repeat until every one is used up), got {mix_stopping!r}")
+        self.mix_stopping = mix_stopping
         if packing:
             check_packing_support()
         self.collate = PadCollator(tokenizer.pad_token_id, pad_to_multiple_of)
@@ -81,7 +86,9 @@ class DistillDataModule(L.LightningDataModule):
         if self.train_set is None:
             # one example per row; what a teacher cache is keyed by, packed or not
             self.train_examples = build_dataset(self.train_sources, self.tokenizer,
-                                                self.max_length, self.seed, **self.options)
+                                                self.max_length, self.seed,
+                                                stopping_strategy=self.mix_stopping,
+                                                **self.options)
             self.train_set = self.train_examples
             if self.packing:  # validation stays one example per row
                 self.train_set = pack_dataset(self.train_examples, self.max_length)
