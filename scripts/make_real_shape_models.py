@@ -215,7 +215,7 @@ def train_command(pair_dir: Path, data: Path, out: Path, args) -> list[str]:
             f"data.max_length={args.max_length}", f"data.batch_size={args.batch_size}",
             f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.steps}",
             "trainer.log_every_n_steps=1", "callbacks.checkpoint=null",
-            "callbacks.export=null", "+callbacks.tokens_per_second.smoothing=0",
+            "callbacks.export=null", "callbacks.throughput.window_size=2",
             *(["trainer=gpu"] if gpu else []), *args.overrides]
 
 
@@ -240,12 +240,12 @@ def read_metrics(path: Path) -> dict:
 
     rows = list(csv.DictReader(path.open()))
     col = lambda k: [float(r[k]) for r in rows if r.get(k)]  # noqa: E731
-    rates = col("tokens/s")
+    # tokens/s of each step after the first, measured from the previous step's end: the
+    # first step (kernel compilation, the head check) is left out
+    rates = sorted(col("train/device/items_per_sec"))
     return {"train_loss": [round(v, 4) for v in col("train/loss")],
             "val_loss": col("val/loss")[-1:] or None,
-            # step 1 includes the kernels' compilation and the head check
-            "tokens_per_s": round(sorted(rates[1:])[len(rates[1:]) // 2]) if len(rates) > 1
-            else (round(rates[0]) if rates else None)}
+            "tokens_per_s": round(rates[len(rates) // 2]) if rates else None}
 
 
 def main(argv=None) -> int:
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU tests)")
     p.add_argument("--run", action="store_true", help="train each pair after building it")
     p.add_argument("--keep", action="store_true", help="keep the model folders")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=None, help="rows per step (4; tiny 2)")
     p.add_argument("--max-length", type=int, default=None, help="row length (2048; tiny 256)")
     p.add_argument("--examples", type=int, default=None, help="train conversations")

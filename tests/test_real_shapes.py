@@ -53,7 +53,7 @@ def test_whole_script_runs_tiny_on_cpu(tmp_path, monkeypatch):
     assert rc == 0
     (info,) = json.loads((tmp_path / "logs/summary.json").read_text())
     assert info["student_head_rows"] > info["tokenizer_size"]  # Qwen's padded heads
-    assert len(info["train_loss"]) == 4 and all(0 < v < 10 for v in info["train_loss"])
+    assert len(info["train_loss"]) == 5 and all(0 < v < 10 for v in info["train_loss"])
     assert info["tokens_per_s"] > 0 and info["val_loss"]
     log = (tmp_path / "logs/train_qwen.log").read_text()
     assert "+experiment=hf_sft" in log and "data.packing=true" in log
