@@ -3,7 +3,9 @@
 Its items are the tokens, so the loggers get `train/device/items_per_sec` (this rank's
 tokens/s; `train/items_per_sec`, all ranks, when there are several), plus batches and
 samples per second, over a window of micro-batches, wall time included (data loading,
-optimizer, validation excluded). The progress bar shows the same rate as `tokens/s`.
+optimizer, validation excluded). The same rate, times the ranks, is logged as `tokens/s` and
+shown in the progress bar; none before `window_size` micro-batches have run (a short
+benchmark sets callbacks.throughput.window_size=2: the rate of each step).
 """
 
 from __future__ import annotations
@@ -39,5 +41,5 @@ class TokenThroughput(ThroughputMonitor):
             return
         rate = self._throughputs[RunningStage.TRAINING].compute().get("device/items_per_sec")
         if rate is not None:
-            pl_module.log("tokens/s", rate * trainer.world_size, prog_bar=True, logger=False,
-                          on_step=True, on_epoch=False, rank_zero_only=True)
+            pl_module.log("tokens/s", rate * trainer.world_size, prog_bar=True, on_step=True,
+                          on_epoch=False, rank_zero_only=True)
