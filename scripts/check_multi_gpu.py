@@ -142,6 +142,15 @@ def resume(assets: str, tmp: Path, name: str) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def attempt(what: str, fn, *args):
+    """Run one check; a failure is a FAIL row (and the next check still runs)."""
+    try:
+        return fn(*args)
+    except Exception as err:  # noqa: BLE001 - reported, the rest of the checks go on
+        say(f"| {what} | {type(err).__name__}: {str(err)[:400]} | FAIL |")
+        return None
+
+
 class Count(L.Callback):
     """Micro-batches trained in this fit (a resumed fit trains only the rest)."""
 
@@ -160,13 +169,17 @@ def checks() -> None:
     make_tiny_assets(Path(assets))  # seeded: the same models on every rank
     say("| check | measured | verdict |\n|---|---|---|")
     for name in ("ddp", "fsdp") if ACCELERATOR == "gpu" else ("ddp",):
-        err = equality(assets, name)
+        err = attempt(f"{name} equality", equality, assets, name)
+        if err is None:
+            continue
         say(f"| {name}: valid_tokens K=2 W=2 gradient vs float64 one pass (max err / max "
             f"grad) | {err:.2e} | {'PASS' if err < 1e-3 else 'FAIL'} (< 1e-3) |")
     # one folder for all ranks: each writes its shard of the checkpoint there
     name = "fsdp" if ACCELERATOR == "gpu" else "ddp"
-    diff = resume(assets, Path(os.environ.get("CHECK_DIR", "/tmp/distill_multi_gpu_check")),
-                  name)
+    diff = attempt(f"{name} resume", resume,
+                   assets, Path(os.environ.get("CHECK_DIR", "/tmp/distill_multi_gpu_check")), name)
+    if diff is None:
+        return
     say(f"| {name}: checkpoint at step 2, resumed to 4; exported student vs "
         f"uninterrupted, max abs diff | {diff:.2e} | {'PASS' if diff < 1e-5 else 'FAIL'} |")
 
