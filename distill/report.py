@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from transformers import PreTrainedModel
@@ -55,7 +57,11 @@ def print_summary(summary: dict) -> None:
     lines = ["", "=" * 60, "distill: run summary"]
     if summary["student_dir"]:
         lines.append(f"  student saved to: {summary['student_dir']}")
-        lines.append("    (AutoModelForCausalLM.from_pretrained loads it, tokenizer included)")
+        if (Path(summary["student_dir"]) / "adapter_config.json").exists():  # LoRA
+            lines.append("    (a LoRA adapter: PeftModel.from_pretrained(<the base student>, "
+                         "this folder) loads it; tokenizer included)")
+        else:
+            lines.append("    (AutoModelForCausalLM.from_pretrained loads it, tokenizer included)")
     lines.append(f"  optimizer steps:  {summary['global_step']}  ({summary['wall_s']:.0f} s)")
     for key in ("val/loss", "val/kl", "val/ppl", "val/teacher_ppl"):
         if key in summary["metrics"]:

@@ -100,10 +100,12 @@ def test_lora_on_a_random_student_is_refused(tiny_assets):
 
 @pytest.mark.parametrize("train_head", [False, True])
 @pytest.mark.parametrize("merge", [False, True])
-def test_trains_and_exports(compose_cfg, tiny_assets, tmp_path, train_head, merge):
+def test_trains_and_exports(compose_cfg, tiny_assets, tmp_path, capsys, train_head, merge):
     summary, run = _lora_run(compose_cfg, tmp_path / "run", "student.lora.dropout=0.1",
                              f"student.lora.train_head={str(train_head).lower()}",
                              f"callbacks.export.merge={str(merge).lower()}")
+    # the run's summary says how to load what it saved
+    assert ("PeftModel.from_pretrained" in capsys.readouterr().out) != merge
     student = run["student"]
     assert summary["global_step"] == 3 and len(run["with_grad"]) == 3
     assert run["train_mode"] == [True] * 3  # dropout on, as configured
@@ -200,3 +202,39 @@ def test_the_config_validator_checks_lora_keys_before_anything_loads(compose_cfg
 
     with pytest.raises(ConfigError, match=match):
         validate(compose_cfg("student=hf", override))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("train_head", [False, True])
+def test_gpu_bf16_mixed_lora_steps(tiny_assets, train_head):
+    """On CUDA (Triton loss, bf16 autocast, bf16 frozen base): the frozen head gets no
+    gradient, the adapters get finite ones, and the adapters train."""
+    import functools
+
+    from torch.utils.data import DataLoader
+
+    from distill.callbacks import StepTokenCounter
+    from distill.module import DistillModule
+    from distill.teachers import LiveTeacher
+
+    student = load_student(str(tiny_assets["student"]), dtype="bfloat16",
+                           lora={"r": 4, "train_head": train_head}).cuda()
+    teacher = LiveTeacher(str(tiny_assets["teacher"]), dtype="bfloat16").cuda()
+    module = DistillModule(student, teacher, loss={"kind": "jsd"},
+                           optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+    vocab = student.config.vocab_size
+    data = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+            for ids in torch.randint(0, vocab, (3, 4, 40))]
+    before = {n: p.detach().clone() for n, p in student.named_parameters() if ".lora_B" in n}
+    trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=3, precision="bf16-mixed",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        callbacks=[StepTokenCounter(), Probe()])
+    trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=None))
+    run = RUNS[-1]
+    assert all((g is None) != train_head for g in run["head_grads"])
+    for with_grad in run["with_grad"]:
+        assert {n for n in with_grad if ".lora_" in n} == {
+            n for n, _ in student.named_parameters() if ".lora_" in n}
+    for n, p in student.named_parameters():
+        if ".lora_B" in n:
+            assert torch.isfinite(p).all() and not torch.equal(p, before[n]), n
