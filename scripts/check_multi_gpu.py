@@ -17,6 +17,7 @@ tokens/s over the steps after the warm-up. Prints markdown rows.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -184,8 +185,9 @@ def checks() -> None:
         f"uninterrupted, max abs diff | {diff:.2e} | {'PASS' if diff < 1e-5 else 'FAIL'} |")
 
 
-def throughput(devices: int, names: list[str], rows: int, steps: int, warm: int) -> None:
-    from bench_train_steps import LLAMA, live_teacher, make_batch
+def throughput(devices: int, names: list[str], rows: int, steps: int, warm: int,
+               tiny: bool = False) -> None:
+    from bench_train_steps import LLAMA, TINY, live_teacher, make_batch
     from torch.utils.data import DataLoader, Dataset
 
     from distill.module import DistillModule
@@ -195,44 +197,57 @@ def throughput(devices: int, names: list[str], rows: int, steps: int, warm: int)
             return 1 << 16
 
         def __getitem__(self, i):
-            return make_batch(rows, 2048, LLAMA["common"]["vocab_size"], "cpu")
+            return make_batch(rows, seq, shapes["common"]["vocab_size"], "cpu")
+
+    shapes, seq = (TINY, 32) if tiny else (LLAMA, 2048)
+    gpu = ACCELERATOR == "gpu"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
 
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer, *args):
             if trainer.global_step == warm:
-                torch.cuda.synchronize()
+                sync()
                 self.t0 = time.perf_counter()
 
         def on_train_end(self, trainer, *args):
-            torch.cuda.synchronize()
+            sync()
             self.s = time.perf_counter() - self.t0
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     local = int(os.environ.get("LOCAL_RANK", 0))
-    for name in names if devices > 1 else ["single"]:
-        with torch.device(f"cuda:{local}"):
+
+    def one(name: str) -> None:
+        with torch.device(f"cuda:{local}" if gpu else "cpu"):
             torch.manual_seed(0)
-            student = LlamaForCausalLM(LlamaConfig(**LLAMA["common"], **LLAMA["student"]))
-            torch.set_default_dtype(torch.bfloat16)
-            teacher = LlamaForCausalLM(LlamaConfig(**LLAMA["common"], **LLAMA["teacher"]))
+            student = LlamaForCausalLM(LlamaConfig(**shapes["common"], **shapes["student"]))
+            torch.set_default_dtype(torch.bfloat16 if gpu else torch.float32)
+            teacher = LlamaForCausalLM(LlamaConfig(**shapes["common"], **shapes["teacher"]))
             torch.set_default_dtype(torch.float32)
         module = DistillModule(student, live_teacher(teacher), loss={"kind": "forward_kl"},
                                optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5),
-                               vocab_size=LLAMA["common"]["vocab_size"])
+                               vocab_size=shapes["common"]["vocab_size"])
         clock = Clock()
-        trainer = L.Trainer(accelerator="gpu", devices=devices, max_steps=warm + steps,
+        trainer = L.Trainer(accelerator=ACCELERATOR, devices=devices, max_steps=warm + steps,
                             strategy=strategy(name) if devices > 1 else "auto",
-                            precision="bf16-mixed", gradient_clip_val=1.0, logger=False,
+                            precision="bf16-mixed" if gpu else "32-true",
+                            gradient_clip_val=1.0, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, callbacks=[StepTokenCounter(), clock])
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
         trainer.fit(module, train_dataloaders=DataLoader(Random(), batch_size=None,
                                                          num_workers=2))
-        tps = steps * rows * 2048 * devices / clock.s
-        say(f"| {name} | {devices} | {rows} x 2048 | {clock.s / steps * 1e3:.0f} ms | "
-            f"{tps:,.0f} | {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB |")
-        del module, trainer, student, teacher
-        torch.cuda.empty_cache()
+        tps = steps * rows * seq * devices / clock.s
+        peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else float("nan")
+        say(f"| {name} | {devices} | {rows} x {seq} | {clock.s / steps * 1e3:.0f} ms | "
+            f"{tps:,.0f} | {peak:.1f} GiB |")
+
+    for name in names if devices > 1 else ["single"]:
+        attempt(f"{name} throughput", one, name)
+        gc.collect()  # the trainer and the wrapped models hold each other
+        if gpu:
+            torch.cuda.empty_cache()
 
 
 def main():
@@ -241,9 +256,11 @@ def main():
     p.add_argument("--devices", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
     p.add_argument("--strategy", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
     p.add_argument("--rows", type=int, default=16)
-    p.add_argument("--cpu", action="store_true", help="checks: DDP on gloo only (no GPU)")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warm", type=int, default=3)
+    p.add_argument("--cpu", action="store_true",
+                   help="no GPU: checks run DDP on gloo only; throughput runs ddp (use --tiny)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warm", type=int, default=2)
+    p.add_argument("--tiny", action="store_true", help="throughput: tiny shapes (a dry run)")
     args = p.parse_args()
     if args.cpu:
         global ACCELERATOR
@@ -253,7 +270,7 @@ def main():
     else:
         say("| strategy | GPUs | micro-batch per GPU | step | tokens/s (all GPUs) | peak |\n"
             "|---|---|---|---|---|---|")
-        throughput(args.devices, args.strategy, args.rows, args.steps, args.warm)
+        throughput(args.devices, args.strategy, args.rows, args.steps, args.warm, args.tiny)
 
 
 if __name__ == "__main__":
