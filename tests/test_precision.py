@@ -47,3 +47,35 @@ def test_bf16_true_preset_is_explicitly_lossy(compose_cfg, tiny_assets):
     assert trainable_dtype("float32", "bf16-mixed") == torch.float32
     assert trainable_dtype("bfloat16", "bf16-mixed") == torch.bfloat16
     assert trainable_dtype("float32", "64-true") == torch.float64
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "jsd"])
+def test_loss_under_autocast_keeps_fp32_logits(kind):
+    """bf16-mixed runs the loss inside autocast with fp32 master weights: its GEMMs take
+    bf16 operands (as autocast would) but the logits and everything after stay fp32."""
+    from distill.losses import linear_divergence
+    from distill.losses.reference import divergence_from_logprobs
+    from distill.losses.spec import DivergenceSpec
+
+    n, v = 37, 1271
+    hs = torch.randn(n, 48, requires_grad=True)
+    ws = (torch.randn(v, 48) * 0.5).requires_grad_()
+    ht, wt = torch.randn(n, 64).bfloat16(), torch.randn(v, 64).bfloat16()  # a bf16 teacher
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_divergence(hs, ws, teacher_hidden=ht, teacher_weight=wt, kind=kind)
+    loss.backward()
+    assert loss.dtype == torch.float32 and ws.grad.dtype == torch.float32
+
+    # float64 reference on the bf16-rounded operands, logits never rounded
+    h64 = hs.detach().bfloat16().double().requires_grad_()
+    w64 = ws.detach().bfloat16().double().requires_grad_()
+    logq = torch.log_softmax(h64 @ w64.T, -1)
+    logp = torch.log_softmax(ht.double() @ wt.double().T, -1)
+    ref = divergence_from_logprobs(logp, logq, DivergenceSpec(kind=kind)).mean()
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref, rtol=2e-5, atol=1e-6)
+    # the gradients come back through the bf16 operands (as autocast's own GEMMs would
+    # give them): within one bf16 rounding (2**-8 relative) of the reference
+    for got, want in ((hs.grad, h64.grad), (ws.grad, w64.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-7)
+        assert (got.double() - want).abs().max() < 2**-8 * want.abs().max()

@@ -7,6 +7,8 @@ weight (ignored labels, zero weight) are dropped before any GEMM, then the op in
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from distill.losses.spec import DivergenceSpec, HeadTransform
@@ -58,6 +60,31 @@ class _LinearDivergence(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
+def _outside_autocast(fn):
+    """Under autocast (Lightning's bf16-mixed with fp32 master weights) autocast would run
+    the loss's GEMMs and reductions in bf16, rounding the logits and the loss itself. The
+    GEMM operands take autocast's dtype, as autocast would give them, and the loss runs
+    with autocast off: fp32 logits out of the GEMM, fp32 math after it."""
+
+    @functools.wraps(fn)
+    def wrapper(student_hidden, student_weight, **kwargs):
+        device = student_hidden.device.type
+        if not torch.is_autocast_enabled(device):
+            return fn(student_hidden, student_weight, **kwargs)
+        half = torch.get_autocast_dtype(device)
+
+        def cast(x):
+            return x.to(half) if x is not None and x.dtype == torch.float32 else x
+
+        for key in ("teacher_hidden", "teacher_weight"):
+            kwargs[key] = cast(kwargs.get(key))
+        with torch.autocast(device, enabled=False):
+            return fn(cast(student_hidden), cast(student_weight), **kwargs)
+
+    return wrapper
+
+
+@_outside_autocast
 def linear_divergence(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,
