@@ -82,7 +82,9 @@ def compile_layers(model, backend: str = "inductor") -> None:
     """torch.compile each decoder layer in place (parameter names are unchanged, so
     checkpoints and the HF export are the same as without it)."""
     for layer in decoder_layers(model):
-        layer.compile(backend=backend, dynamic=False)
+        # dynamic=None: a second sequence length (batches padded per batch, generation)
+        # compiles one shape-generic graph instead of one graph per length
+        layer.compile(backend=backend, dynamic=None)
 
 
 def apply_liger(model) -> None:
