@@ -251,7 +251,7 @@ def read_metrics(path: Path) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("/tmp/distill_real_shapes"))
-    p.add_argument("--pairs", default="llama,qwen,gemma")
+    p.add_argument("--pairs", default="qwen,llama,gemma", help="in this order (smallest first)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU tests)")
     p.add_argument("--run", action="store_true", help="train each pair after building it")
     p.add_argument("--keep", action="store_true", help="keep the model folders")

@@ -221,3 +221,17 @@ def test_readme_real_model_command_runs_as_written(family_dirs, compose_cfg, tmp
                       "trainer.val_check_interval=2", "paths.data=???")
     summary = train(cfg)
     assert summary["global_step"] == 2 and "val/loss" in summary["metrics"]
+
+
+def test_real_model_recipe_never_falls_back_to_the_demo_data(family_dirs, compose_cfg,
+                                                             tiny_assets):
+    from distill.config import ConfigError
+
+    student, teacher = family_dirs[0]["llama"]
+    models = [f"student.name_or_path={student}", f"teacher.name_or_path={teacher}"]
+    train_only = f"data.train=[{{name: a, kind: sft, path: {tiny_assets['sft_train']}}}]"
+    for data in ([], [train_only]):  # no data at all; a train set but no val set
+        cfg = compose_cfg("+experiment=hf_sft", *models, "paths.data=???", *data)
+        with pytest.raises(ConfigError, match=r"data\.(train|val) cannot be resolved .*"
+                                              r"Missing mandatory value: paths\.data"):
+            train(cfg)
