@@ -2,7 +2,8 @@
 
 Everything here builds the whole (N, V) logits and lets autograd find the gradients, so
 it is slow and memory-hungry on purpose: it is written to be obviously right. Tests run
-it in float64 and compare the fused op against it.
+it in float64 and compare the fused op against it. Its softmax is written so that float64
+stays exact (relative to each gradient entry) even for logits tens of units apart.
 """
 
 from __future__ import annotations
@@ -26,6 +27,34 @@ def apply_head(hidden, weight, head: HeadTransform | None):
     return logits
 
 
+def _rest(x, dim=-1):
+    """(max, one-hot of the argmax, sum over the others of exp(x - max)) along `dim`."""
+    m, i = x.max(dim, keepdim=True)  # max's gradient flows to the argmax
+    is_max = torch.zeros_like(x, dtype=torch.bool).scatter_(dim, i, True)
+    safe = torch.where(is_max | (m == -math.inf), -math.inf, x - m)
+    return m, is_max, safe.exp().sum(dim, keepdim=True)
+
+
+def stable_logsumexp(x, dim=-1):
+    """logsumexp whose normalizer is max + log1p(rest), never log(1 + tiny) = 0: exact to
+    float64 rounding however dominant the largest entry (logits 60 apart)."""
+    m, _, rest = _rest(x, dim)
+    return m + torch.log1p(rest)
+
+
+def stable_log_softmax(x, dim=-1):
+    """log_softmax that autograd differentiates without cancellation at the argmax.
+
+    torch.log_softmax's backward forms grad_* - q_* * sum(grad) at the argmax *, whose true
+    value (~exp(-gap)) is lost below float64's rounding of sum(grad) from gaps of ~37 on.
+    Here the argmax's log-prob is -log1p(rest) alone, so its gradient is a sum of the small
+    terms themselves.
+    """
+    m, is_max, rest = _rest(x, dim)
+    lr = torch.log1p(rest)
+    return torch.where(is_max, -lr, x - m - lr)
+
+
 def _xlogy_diff(p, logp, logr):
     """sum p * (log p - log r), with 0 * anything = 0 (teacher zeros are common)."""
     return torch.where(p > 0, p * (logp - logr), torch.zeros_like(p)).sum(-1)
@@ -45,14 +74,16 @@ def divergence_from_logprobs(logp, logq, spec: DivergenceSpec):
 
 def sparse_logprobs(student_logits_t, target_ids, target_logprobs, spec: DivergenceSpec):
     """Teacher and student log-probs over the K cached ids (+ a tail bucket in 'tail' mode)."""
-    logq_full = torch.log_softmax(student_logits_t, dim=-1)
+    logq_full = stable_log_softmax(student_logits_t, dim=-1)
     logq_k = logq_full.gather(-1, target_ids)
     logp_k = target_logprobs.to(logq_full.dtype)
     if spec.sparse_mode == "renormalize":
-        return logp_k - logp_k.logsumexp(-1, keepdim=True), logq_k - logq_k.logsumexp(-1, True)
+        return stable_log_softmax(logp_k), stable_log_softmax(logq_k)
     in_topk = torch.zeros_like(logq_full, dtype=torch.bool).scatter_(-1, target_ids, True)
-    logq_tail = logq_full.masked_fill(in_topk, -math.inf).logsumexp(-1, keepdim=True)
-    p_tail = (1 - logp_k.exp().sum(-1, keepdim=True)).clamp_min(0)
+    # the tail's log-mass directly, never log(1 - sum q_k): that cancels for a confident
+    # student; the teacher's 1 - sum p_k as -expm1(log sum p_k), exact when it is tiny
+    logq_tail = stable_logsumexp(logq_full.masked_fill(in_topk, -math.inf))
+    p_tail = (-torch.expm1(stable_logsumexp(logp_k))).clamp_min(0)
     if target_ids.shape[-1] == logq_full.shape[-1]:
         p_tail = torch.zeros_like(p_tail)  # K = V: no tail, only rounding noise
     if spec.kind == "reverse_kl":
@@ -75,15 +106,15 @@ def reference_per_token_loss(
     t = spec.temperature
     st = student_logits / t
     if teacher_logits is not None:
-        logp = torch.log_softmax(teacher_logits / t, dim=-1)
-        logq = torch.log_softmax(st, dim=-1)
+        logp = stable_log_softmax(teacher_logits / t, dim=-1)
+        logq = stable_log_softmax(st, dim=-1)
     else:
         logp, logq = sparse_logprobs(st, target_ids, target_logprobs, spec)
     loss = divergence_from_logprobs(logp, logq, spec)
     loss = loss * spec.divergence_factor
     if spec.ce_weight:
         safe = labels.clamp_min(0)
-        ce = torch.nn.functional.cross_entropy(student_logits, safe, reduction="none")
+        ce = -stable_log_softmax(student_logits).gather(-1, safe[:, None]).squeeze(-1)
         loss = loss + spec.ce_weight * ce
     if labels is not None:
         loss = torch.where(labels != spec.ignore_index, loss, torch.zeros_like(loss))

@@ -6,6 +6,13 @@ pass can produce it: with a = logits / T, q = softmax(a) and categories c (one p
 entry, or the K cached ids plus a tail bucket), d loss / d a_j = q_j * (G_c(j) - <q, G>)
 where G = d loss / d q_c. Forward KL is written as q - p directly instead, because its
 G = -p / q overflows where the student is confident and the teacher is not.
+
+At the extremes (a logit tens of units above the rest) three quantities are small
+differences of numbers near 1, and each is computed without forming that difference:
+the log-normalizer is max + log1p(rest) (never log(1 + tiny) = 0), the student's tail
+mass outside the cached ids is a log-sum-exp over those entries (never 1 - sum q_k), and
+the gradient at the row's largest entry, whose exact value is ~exp(-gap), is minus the
+sum of the others (every gradient row sums to zero) instead of q_* (G_* - <q, G>).
 """
 
 from __future__ import annotations
@@ -15,6 +22,32 @@ import math
 import torch
 
 from distill.losses.spec import TAIL_FLOOR, DivergenceSpec
+
+
+def _argmax_and_rest(x):
+    """(max, argmax, sum of exp(x - max) over the other entries), each (C, 1)."""
+    m, i = x.max(-1, keepdim=True)
+    m0 = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf: a zero row
+    e = torch.exp(x - m0).scatter_(-1, i, 0.0)
+    return m, i, e.sum(-1, keepdim=True)
+
+
+def _log_softmax(x):
+    """log softmax(x) in which the largest entry's log-prob is -log1p(rest), exactly."""
+    m, i, rest = _argmax_and_rest(x)
+    lr = torch.log1p(rest)
+    return (x - m - lr).scatter_(-1, i, -lr)
+
+
+def _logsumexp(x):
+    m, _, rest = _argmax_and_rest(x)
+    return m + torch.log1p(rest)
+
+
+def _zero_sum_at(d, ref):
+    """d with its entry `ref` (C, 1) replaced by minus the sum of the others."""
+    d = d.scatter_(-1, ref, 0.0)
+    return d.scatter_(-1, ref, -d.sum(-1, keepdim=True))
 
 
 def _plogratio(p, logp, logr):
@@ -35,8 +68,11 @@ def _divergence_and_g(logp, logq, spec: DivergenceSpec):
     return loss, (1 - b) * torch.where(q > 0, logq - logm, 0.0)
 
 
-def _grad_from_g(q, g):
-    return q * (g - (q * g).sum(-1, keepdim=True))
+def _category_grad(logp, logq, g):
+    """d loss / d a over the categories; the largest category's entry from the others."""
+    q = logq.exp()
+    da = q - logp.exp() if g is None else q * (g - (q * g).sum(-1, keepdim=True))
+    return _zero_sum_at(da, logq.argmax(-1, keepdim=True))
 
 
 def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec, need_grad, *,
@@ -49,21 +85,18 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec, need_g
     row's cross-entropy (the Triton kernel takes the same options).
     """
     t = spec.temperature
-    logq = torch.log_softmax(zs / t, dim=-1)  # (C, V)
+    logq = _log_softmax(zs / t)  # (C, V)
     if zt is not None:
-        logp = torch.log_softmax(zt / t, dim=-1)
+        logp = _log_softmax(zt / t)
         loss, g = _divergence_and_g(logp, logq, spec)
-        da = None
-        if need_grad:
-            q = logq.exp()
-            da = q - logp.exp() if g is None else _grad_from_g(q, g)
+        da = _category_grad(logp, logq, g) if need_grad else None
     else:
         loss, da = _sparse(logq, target_ids, target_logprobs, spec, need_grad)
     factor = spec.divergence_factor
     loss = loss * factor
     dz = da * (factor / t) if need_grad else None
     if labels is not None and (spec.ce_weight or ce_out is not None):
-        logp_hard = logq if t == 1.0 else torch.log_softmax(zs, dim=-1)
+        logp_hard = logq if t == 1.0 else _log_softmax(zs)
         ce = -logp_hard.gather(-1, labels[:, None]).squeeze(-1)
         loss = loss + spec.ce_weight * ce
         if ce_out is not None:
@@ -71,8 +104,11 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec, need_g
         if need_grad and spec.ce_weight:
             dz = dz + spec.ce_weight * logp_hard.exp()
             dz.scatter_add_(-1, labels[:, None], dz.new_full((len(labels), 1), -spec.ce_weight))
-    if need_grad and row_scale is not None:
-        dz = dz * row_scale[:, None].to(dz.dtype)
+    if need_grad:
+        # the largest logit's entry last, from all the others (the CE's included)
+        dz = _zero_sum_at(dz, zs.argmax(-1, keepdim=True))
+        if row_scale is not None:
+            dz = dz * row_scale[:, None].to(dz.dtype)
     return loss, dz.to(grad_dtype) if need_grad else None
 
 
@@ -81,17 +117,17 @@ def _sparse(logq, ids, logp_k, spec, need_grad):
     logq_k = logq.gather(-1, ids)  # (C, K)
     logp_k = logp_k.float()
     if spec.sparse_mode == "renormalize":
-        logp_c = logp_k - logp_k.logsumexp(-1, keepdim=True)
-        logq_c = logq_k - logq_k.logsumexp(-1, keepdim=True)
+        logp_c, logq_c = _log_softmax(logp_k), _log_softmax(logq_k)
         loss, g = _divergence_and_g(logp_c, logq_c, spec)
         if not need_grad:
             return loss, None
-        q_c = logq_c.exp()
-        da_k = q_c - logp_c.exp() if g is None else _grad_from_g(q_c, g)
+        da_k = _category_grad(logp_c, logq_c, g)
         return loss, torch.zeros_like(logq).scatter_(-1, ids, da_k)
     in_topk = torch.zeros_like(logq, dtype=torch.bool).scatter_(-1, ids, True)
-    logq_tail = logq.masked_fill(in_topk, -math.inf).logsumexp(-1, keepdim=True)  # (C, 1)
-    p_tail = (1 - logp_k.exp().sum(-1, keepdim=True)).clamp_min(0)
+    off_topk = logq.masked_fill(in_topk, -math.inf)  # (C, V)
+    logq_tail = _logsumexp(off_topk)  # (C, 1): no 1 - sum(q_k)
+    # 1 - sum(p_k) as -expm1(log sum p_k): exact when the teacher's tail is tiny
+    p_tail = (-torch.expm1(_logsumexp(logp_k))).clamp_min(0)
     if ids.shape[-1] == logq.shape[-1]:
         p_tail = torch.zeros_like(p_tail)  # K = V: no tail, only rounding noise
     if spec.kind == "reverse_kl":
@@ -101,10 +137,7 @@ def _sparse(logq, ids, logp_k, spec, need_grad):
     loss, g = _divergence_and_g(logp_c, logq_c, spec)
     if not need_grad:
         return loss, None
-    q = logq.exp()
-    if g is None:
-        # forward KL: tail entries get q_j - p_tail * q_j / q_tail, cached ids q_k - p_k
-        share = torch.where(p_tail > 0, p_tail * torch.exp(logq - logq_tail), 0.0)
-        return loss, (q - share).scatter_(-1, ids, logq_k.exp() - logp_k.exp())
-    g_vocab = g[:, -1:].expand_as(logq).clone().scatter_(-1, ids, g[:, :-1])  # (C, V)
-    return loss, _grad_from_g(q, g_vocab)
+    da_c = _category_grad(logp_c, logq_c, g)
+    # the tail bucket's gradient shared in proportion to each entry's part of the tail
+    share = torch.where(logq_tail > -math.inf, torch.exp(off_topk - logq_tail), 0.0)
+    return loss, (share * da_c[:, -1:]).scatter_(-1, ids, da_c[:, :-1])

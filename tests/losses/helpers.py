@@ -114,3 +114,50 @@ def frozen_head_grads(inputs, fn, trainable, **kw):
         loss = fn(**args, **kw)
         (loss * 0.5).backward()
     return loss.detach(), {k: v.grad for k, v in leaves.items()}, rec
+
+
+EXTREME_CASES = ("student", "teacher", "both", "opposite", "huge", "onehot")
+
+
+def extreme_logits(case, n, v, gap, generator):
+    """(student, teacher) float64 logits (n, v) of one regime at the extremes: a logit
+    `gap` above O(1) noise for a confident student, teacher, both on one token or on two
+    different ones; logits spread over +-1e4 ("huge"); a one-hot teacher (gap 1e4)."""
+    def noise():
+        return torch.randn(n, v, generator=generator, dtype=torch.float64)
+
+    def top(z, ids, g):
+        return z.scatter_add(-1, ids[:, None], torch.full((n, 1), g, dtype=torch.float64))
+
+    tok = torch.randint(0, v, (n,), generator=generator)
+    other = (tok + torch.randint(1, v, (n,), generator=generator)) % v
+    zs, zt = noise(), noise()
+    if case == "huge":
+        return zs * 1e4, zt * 1e4
+    if case in ("student", "both", "opposite"):
+        zs = top(zs, tok, gap)
+    if case in ("teacher", "both", "onehot"):
+        zt = top(zt, tok, 1e4 if case == "onehot" else gap)
+    if case == "opposite":
+        zt = top(zt, other, gap)
+    return zs, zt
+
+
+def extreme_inputs(case, n=12, v=61, gap=40.0, k=None, dtype=torch.float32, device="cpu",
+                   ignore_frac=0.25):
+    """Inputs whose logits are exactly `extreme_logits`: each hidden state is a one-hot
+    row (H = n) and the head's column i holds row i's logits, so the GEMM is exact in any
+    dtype and d weight's column i is row i's own gradient (w_i * d loss_i / d logits)."""
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    zs, zt = extreme_logits(case, n, v, gap, g)
+    eye = torch.eye(n, dtype=torch.float64)
+    x = dict(student_hidden=eye, student_weight=zs.T.contiguous(),
+             labels=torch.randint(0, v, (n,), generator=g))
+    x["labels"][torch.rand(n, generator=g) < ignore_frac] = -100
+    if k is None:
+        x.update(teacher_hidden=eye.clone(), teacher_weight=zt.T.contiguous())
+    else:
+        top = torch.log_softmax(zt.to(dtype).double(), -1).topk(k, dim=-1)
+        x.update(target_ids=top.indices, target_logprobs=top.values)
+    return {name: (t.to(dtype) if t.is_floating_point() else t).to(device)
+            for name, t in x.items()}
