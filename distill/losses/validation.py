@@ -6,6 +6,8 @@ they run once per call, not per chunk.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -86,6 +88,7 @@ def _check_cached(ids, lps, vocab):
     if ids.numel() and bool(((ids < 0) | (ids >= vocab)).any()):
         _fail(f"target_ids out of range [0, {vocab}): the cache was written with another "
               "tokenizer or vocabulary")
-    if not bool(torch.isfinite(lps).all()):
-        _fail("target_logprobs has NaN or infinite values: the teacher cache is corrupt "
+    # -inf is a zero probability (a one-hot or masked teacher); NaN and +inf are not
+    if bool((torch.isnan(lps) | (lps == math.inf)).any()):
+        _fail("target_logprobs has NaN or +inf values: the teacher cache is corrupt "
               "(rebuild it with scripts/cache_teacher_logits.py)")
