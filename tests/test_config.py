@@ -62,8 +62,8 @@ BAD = [
      "number > 0"),
     ("data.train.0.kind=chat", "data.train[0].kind='chat' (source 'demo_sft'): must be one of "
      "sft, cpt, prompts"),
-    ("data.train=[{name:a,kind:sft,path:x.jsonl,max_examples:0}]", "data.train[0].max_examples=0 (source 'a'): must be "
-     "an integer >= 1 or null"),
+    ("data.train=[{name:a,kind:sft,path:x.jsonl,max_examples:0}]",
+     "data.train[0].max_examples=0 (source 'a'): must be an integer >= 1 or null"),
     ("data.assistant_turns=first", "data.assistant_turns='first': must be one of all, last"),
     ("data.cpt_stride=0", "data.cpt_stride=0: must be an integer >= 1 or null"),
     ("data.chat_template=''", "data.chat_template='': must be a non-empty string or null"),

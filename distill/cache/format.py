@@ -4,6 +4,7 @@ A cache is a folder:
 
     metadata.json                      what was cached and how (checked by training)
     train/shard-00000.arrow ...        Arrow IPC stream files, one row per example
+    train/shard-00000.arrow.sum ...    its sha256 and size, written just before it
     val/shard-00000.arrow ...
 
 A shard holds a fixed range of `shard_size` examples of its split (by dataset index), so
@@ -23,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 FORMAT = "distill-teacher-cache"
-VERSION = 1
+VERSION = 2  # 2: a sha256 per shard (distill.cache.verify)
 IGNORE_INDEX = -100
 VALUE_DTYPES = ("float16", "bfloat16")
 

@@ -37,6 +37,7 @@ from distill.cache.format import (
     write_json_atomic,
 )
 from distill.cache.plan import Plan, ShardBatches, describe
+from distill.cache.verify import file_sha256, recorded, shard_problem
 from distill.cache.writer import ShardWriter, TopKPredictor
 
 
@@ -71,7 +72,7 @@ class CacheData(L.LightningDataModule):
     def predict_dataloader(self):
         t = self.trainer
         job = self.job
-        pending = job.plan.pending(job.root, t.global_rank, t.world_size)
+        pending = job.plan.pending(job.root, t.global_rank, t.world_size, job.intact)
         items = ShardBatches(job.datasets, job.plan, pending, job.collate)
         return DataLoader(items, batch_size=None, shuffle=False,
                           num_workers=job.settings.num_workers)
@@ -79,7 +80,7 @@ class CacheData(L.LightningDataModule):
 
 class CacheJob:
     def __init__(self, settings: CacheSettings, datasets: dict, collate, *, teacher_name: str,
-                 tokenizer, max_length: int):
+                 tokenizer, max_length: int, command: str | None = None):
         self.settings, self.datasets, self.collate = settings, datasets, collate
         self.root = Path(settings.dir)
         self.vocab = len(tokenizer)
@@ -94,7 +95,9 @@ class CacheJob:
             "temperature": float(settings.temperature), "dtype": settings.dtype,
             "data": {s: i.fingerprint for s, i in self.plan.splits.items()},
             "plan": self.plan.summary(),
+            "command": command,  # how to rerun (repair) it; not part of what the cache is
         }
+        self.repaired = 0
         self.writer = ShardWriter(self.root, settings.top_k)
         self.data = CacheData(self)
 
@@ -118,6 +121,20 @@ class CacheJob:
             write_json_atomic(self.root / "metadata.json", self.meta)
         trainer.strategy.barrier("distill_cache_claim")
 
+    def intact(self, split: str, shard: int) -> bool:
+        """Check an existing shard in full before skipping it; delete it when damaged."""
+        path = shard_path(self.root, split, shard)
+        s = self.settings
+        why = shard_problem(path, recorded(read_metadata(self.root), path, split, shard),
+                            top_k=s.top_k, vocab=self.vocab, dtype=s.dtype,
+                            examples=self.plan.examples(split, shard))
+        if why is None:
+            return True
+        print(f"[cache] shard {path} is damaged ({why}): rewriting it", flush=True)
+        path.unlink()
+        self.repaired += 1
+        return False
+
     def run(self, trainer: L.Trainer, model) -> dict:
         t0 = time.perf_counter()
         with warnings.catch_warnings():  # our batches are whole items: no sampler indices
@@ -130,12 +147,13 @@ class CacheJob:
             print(f"[cache] rank {trainer.global_rank}/{trainer.world_size}: wrote {w.shards} "
                   f"shards, {w.examples} examples, {w.tokens} tokens", flush=True)
         trainer.strategy.barrier("distill_cache_written")
-        done = torch.tensor([w.examples, w.tokens, w.shards],
+        done = torch.tensor([w.examples, w.tokens, w.shards, self.repaired],
                             dtype=torch.float64, device=trainer.strategy.root_device)
         done = trainer.strategy.reduce(done, reduce_op="sum").tolist()
         wall = time.perf_counter() - t0
         summary = {"dir": str(self.root), "run_examples": int(done[0]),
                    "run_tokens": int(done[1]), "shards_written": int(done[2]),
+                   "shards_repaired": int(done[3]),
                    "wall_s": wall, "tokens_per_s": done[1] / max(wall, 1e-9)}
         if trainer.is_global_zero:
             summary.update(self.seal())
@@ -156,6 +174,8 @@ class CacheJob:
                        "tokens": sum(len(c.values) for c in tbl.column("ids").chunks)
                        // self.settings.top_k,
                        "bytes": path.stat().st_size}
+            side = recorded(None, path, split, shard)  # the writer's record
+            row["sha256"] = side["sha256"] if side else file_sha256(path)
             shards.setdefault(split, []).append(row)
             for key in totals:
                 totals[key] += row[key]
@@ -173,7 +193,9 @@ def print_summary(s: dict) -> None:
         f"  trained tokens    {k}",
         f"  bytes             {s.get('bytes', 0)}  ({s.get('bytes_per_token', 0):.1f} per token)",
         f"  this run          {s['run_tokens']} tokens in {s['shards_written']} shards, "
-        f"{s['wall_s']:.1f} s, {s['tokens_per_s']:.0f} tokens/s",
+        f"{s['wall_s']:.1f} s, {s['tokens_per_s']:.0f} tokens/s"
+        + (f", {s['shards_repaired']} damaged shards rewritten" if s.get("shards_repaired")
+           else ""),
         "=" * 60,
     ]
     print("\n".join(lines))

@@ -88,11 +88,20 @@ class Plan:
         return [ShardBatch(split, shard, p, i == 0, i == len(parts) - 1)
                 for i, p in enumerate(parts)]
 
-    def pending(self, root, rank: int, world: int) -> list[ShardBatch]:
-        """This rank's batches, for the shards it owns that are not written yet."""
+    def examples(self, split: str, shard: int) -> int:
+        n = len(self.splits[split].example_ids)
+        return min(self.shard_size, n - shard * self.shard_size)
+
+    def pending(self, root, rank: int, world: int, intact=None) -> list[ShardBatch]:
+        """This rank's batches, for the shards it owns that are missing or, by
+        `intact(split, shard) -> bool`, damaged."""
         out = []
         for i, (split, shard) in enumerate(self.shards()):
-            if i % world == rank and not shard_path(root, split, shard).exists():
+            if i % world != rank:
+                continue
+            done = shard_path(root, split, shard).exists() and (intact is None
+                                                                or intact(split, shard))
+            if not done:
                 out += self.batches(split, shard)
         return out
 

@@ -24,11 +24,19 @@ from distill.cache.format import (
     tokenizer_hash,
     trained_positions,
 )
+from distill.cache.verify import (
+    VALUE_DTYPES,
+    CacheDamaged,
+    decode,
+    file_problem,
+    recorded,
+    repair_hint,
+    value_problem,
+)
 
 OPEN_SHARDS = 64
-VALUE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 REBUILD = ("Rebuild it for this run (python scripts/cache_teacher_logits.py with the same "
-           "experiment and overrides) or point teacher.dir at a matching cache.")
+           "experiment and overrides) or point cache.dir at a matching cache.")
 
 
 class TeacherCache:
@@ -48,25 +56,45 @@ class TeacherCache:
         self.top_k = int(meta["top_k"])
         self.value_dtype = VALUE_DTYPES[meta["dtype"]]
         self._tables: OrderedDict[tuple[str, int], pa.Table] = OrderedDict()
+        self._checked: set[tuple[str, int]] = set()  # shards verified in this process
         self.index: dict[str, tuple[str, int, int, int]] = {}  # id -> split, shard, row, hash
         for split, info in meta["plan"]["splits"].items():
             for shard in range(info["shards"]):
-                tbl = self._table(split, shard)
+                tbl = self._open(split, shard)
                 ids = tbl.column("example_id").to_pylist()
                 hashes = tbl.column("token_hash").to_pylist()
                 for row, (eid, th) in enumerate(zip(ids, hashes)):
                     self.index[eid] = (split, shard, row, th)
 
-    def __getstate__(self):  # spawned workers / ranks map the shards again themselves
-        return {**self.__dict__, "_tables": OrderedDict()}
+    def __getstate__(self):  # spawned workers / ranks map (and check) the shards themselves
+        return {**self.__dict__, "_tables": OrderedDict(), "_checked": set()}
 
     def _table(self, split: str, shard: int) -> pa.Table:
+        """A shard to serve from: its sha256 is checked on its first use in this process."""
+        if (split, shard) not in self._checked:
+            path = shard_path(self.root, split, shard)
+            why = file_problem(path, recorded(self.meta, path, split, shard))
+            if why is not None:
+                raise CacheDamaged(path, why, repair_hint(self.root, self.meta))
+            self._checked.add((split, shard))
+        return self._open(split, shard)
+
+    def _open(self, split: str, shard: int) -> pa.Table:
         key = (split, shard)
         if key in self._tables:
             self._tables.move_to_end(key)
             return self._tables[key]
-        src = pa.memory_map(str(shard_path(self.root, split, shard)))
-        self._tables[key] = pa.ipc.open_stream(src).read_all()  # zero-copy views
+        path = shard_path(self.root, split, shard)
+        if key not in self._checked:  # cheap: a truncated or missing file fails at open
+            why = file_problem(path, recorded(self.meta, path, split, shard), checksum=False)
+            if why is not None:
+                raise CacheDamaged(path, why, repair_hint(self.root, self.meta))
+        try:
+            src = pa.memory_map(str(path))
+            self._tables[key] = pa.ipc.open_stream(src).read_all()  # zero-copy views
+        except (OSError, pa.ArrowException) as err:
+            raise CacheDamaged(path, f"it does not read as a cache shard ({err})",
+                               repair_hint(self.root, self.meta)) from err
         if len(self._tables) > OPEN_SHARDS:  # bound the open files of a big cache
             self._tables.popitem(last=False)
         return self._tables[key]
@@ -105,7 +133,7 @@ class TeacherCache:
         pos = trained_positions(labels)
         ids = tbl.column("ids")[row].values.to_numpy().reshape(-1, self.top_k)
         bits = tbl.column("logprobs_bits")[row].values.to_numpy().reshape(-1, self.top_k)
-        lps = torch.from_numpy(bits.view(np.int16).copy()).view(self.value_dtype).float()
+        lps = decode(bits, self.meta["dtype"])
         if len(ids) != len(pos):
             raise CacheMismatch(f"trained positions of example {example_id!r}", len(ids),
                                 len(pos), str(self.root), REBUILD)
@@ -125,12 +153,31 @@ class TeacherCache:
         b, t = input_ids.shape
         ids = torch.zeros((b * (t - 1), self.top_k), dtype=torch.int32)
         lps = torch.zeros((b * (t - 1), self.top_k), dtype=torch.float32)
+        served = []
         for i, (start, stop, eid) in enumerate_documents(batch):
             x, y = input_ids[i, start:stop].numpy(), labels[i, start:stop].numpy()
             pos, e_ids, e_lps = self.example(eid, x, y)
             rows = torch.from_numpy(pos.astype(np.int64)) + (i * (t - 1) + start)
             ids[rows], lps[rows] = e_ids, e_lps
+            served.append((eid, rows))
+        self.check_values(ids, lps, served)
         return ids, lps
+
+    def check_values(self, ids: torch.Tensor, lps: torch.Tensor, served: list) -> None:
+        """What the loss receives must be a teacher's top-k: ids in the vocabulary,
+        log-probs <= 0, mass <= 1 (within rounding); else name the example and its shard."""
+        if not served:
+            return
+        rows = torch.cat([r for _, r in served])
+        vocab, dtype = int(self.meta["vocab"]), self.meta["dtype"]
+        if value_problem(ids[rows].numpy(), lps[rows], vocab, dtype) is None:
+            return
+        for eid, r in served:  # the failure path: find the example
+            why = value_problem(ids[r].numpy(), lps[r], vocab, dtype)
+            if why is not None:
+                split, shard, _, _ = self.index[eid]
+                raise CacheDamaged(shard_path(self.root, split, shard),
+                                   f"{why} in example {eid!r}", repair_hint(self.root, self.meta))
 
 
 def enumerate_documents(batch: dict):

@@ -5,6 +5,8 @@ The thin @hydra.main wrapper is scripts/cache_teacher_logits.py; tests call this
 
 from __future__ import annotations
 
+import shlex
+
 import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -37,9 +39,19 @@ def cache_teacher_logits(cfg: DictConfig) -> dict:
                              batch_size=c.batch_size, chunk=c.chunk,
                              num_workers=c.num_workers)
     job = CacheJob(settings, splits, data.collate, teacher_name=c.teacher.name_or_path,
-                   tokenizer=tokenizer, max_length=data.max_length)
+                   tokenizer=tokenizer, max_length=data.max_length, command=_command())
     # each rank picks its own shards, so Lightning must not add a DistributedSampler
     callbacks = [instantiate(cb) for cb in (cfg.get("callbacks") or {}).values() if cb]
     trainer = instantiate(cfg.trainer, callbacks=[job.writer, *callbacks], logger=False,
                           use_distributed_sampler=False, enable_checkpointing=False)
     return job.run(trainer, teacher.model)
+
+
+def _command() -> str | None:
+    """This job's command line when Hydra launched it (None when called in-process)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    args = " ".join(shlex.quote(o) for o in HydraConfig.get().overrides.task)
+    return f"python scripts/cache_teacher_logits.py {args}"

@@ -16,8 +16,9 @@ import pyarrow as pa
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from distill.cache.format import SCHEMA, publish, shard_path, tmp_path
+from distill.cache.format import SCHEMA, shard_path, tmp_path
 from distill.cache.topk import topk_logprobs
+from distill.cache.verify import record_and_publish
 from distill.losses.spec import HeadTransform
 from distill.models import final_hidden_states, lm_head
 from distill.teachers import shift_flat, shift_labels
@@ -98,6 +99,6 @@ class ShardWriter(BasePredictionWriter):
             self._sink.close()
             with open(self._tmp, "rb+") as f:
                 os.fsync(f.fileno())
-            publish(self._tmp, final)
+            record_and_publish(self._tmp, final)  # its sha256 first, then the shard
             self.shards += 1
             self._sink = self._stream = self._tmp = None
