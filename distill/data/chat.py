@@ -15,8 +15,10 @@ generation stops at the end-of-turn token and never produces it.
 All turns are trained in one example when every D is a prefix of the last one. A template
 that rewrites earlier turns (Qwen3 drops the <think> block of assistant turns before the
 last user turn) breaks that; each assistant turn then becomes its own example, rendered as
-the model sees it at inference and trained on that turn only. A template whose P is not a
-prefix of D is refused: no label can say what the model writes there.
+the model sees it at inference and trained on that turn only. A template whose rendered P
+is not a prefix of D is refused: no label can say what the model writes there. When only
+the tokens disagree (the tokenizer merges the prompt's last token with the answer's first,
+which depends on the answer), the row is dropped and counted instead (MergedBoundary).
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 
 class TemplateError(ValueError):
     """The chat template cannot give assistant-only labels; the message says why."""
+
+
+class MergedBoundary(TemplateError):
+    """The tokenizer merges the generation prompt's last token with the answer's first (an
+    answer that starts with a newline after a prompt that ends with one): the row is dropped
+    and counted; a template for which every row does so is refused."""
 
 
 def resolve_template(chat_template: str | None) -> str | None:
@@ -47,7 +55,7 @@ class ChatEncoder:
     """Renders and tokenizes conversations with one template; see the module docstring."""
 
     def __init__(self, tokenizer, chat_template: str | None = None,
-                 assistant_turns: str = "all"):
+                 assistant_turns: str = "all", template_kwargs: dict | None = None):
         if assistant_turns not in ("all", "last"):
             raise ValueError(f"data.assistant_turns must be 'all' or 'last', got "
                              f"{assistant_turns!r}")
@@ -58,6 +66,7 @@ class ChatEncoder:
             raise TemplateError("the tokenizer has no chat template: set data.chat_template= "
                                 "to a template string or a .jinja file")
         self.tokenizer, self.template = tokenizer, template
+        self.kwargs = dict(template_kwargs or {})  # e.g. enable_thinking, date_string
         self.last_only = assistant_turns == "last"
         self.markers = bool(MARKER.search(template))
         self.special = set(tokenizer.all_special_ids) | {
@@ -67,7 +76,7 @@ class ChatEncoder:
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             messages, chat_template=self.template, tokenize=False,
-            add_generation_prompt=generation_prompt)
+            add_generation_prompt=generation_prompt, **self.kwargs)
 
     def tokens(self, texts: list[str]) -> list[list[int]]:
         # the template writes its own bos; the tokenizer must not add another
@@ -107,12 +116,11 @@ class ChatEncoder:
                 f"whole; they differ at character {cut}: {text_p[cut:cut + 30]!r} vs "
                 f"{text_d[cut:cut + 30]!r}. Fix the template or set data.chat_template=")
         if d[:len(p)] != p:
-            raise TemplateError(
+            raise MergedBoundary(
                 f"the tokenizer merges the end of the generation prompt with the start of "
-                f"assistant turn {i} ({text_d[len(text_p) - 10:len(text_p) + 10]!r}): the "
-                "prompt's tokens are not a prefix of the turn's, so the tokens the model "
-                "writes are not defined; end the generation prompt with a special token or "
-                "a newline (data.chat_template=)")
+                f"assistant turn {i} ({text_d[max(0, len(text_p) - 10):len(text_p) + 10]!r}): "
+                "the prompt's tokens are not a prefix of the turn's, so the tokens the model "
+                "writes after the prompt are not defined")
         end = k = len(d)
         while k > len(p) and self._blank(d[k - 1]):
             k -= 1
@@ -128,7 +136,7 @@ class ChatEncoder:
         end = turns[-1] + 1
         enc = self.tokenizer.apply_chat_template(
             messages[:end], chat_template=self.template, tokenize=True, return_dict=True,
-            return_assistant_tokens_mask=True)
+            return_assistant_tokens_mask=True, **self.kwargs)
         ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
         if self.last_only and any(mask):
             stop = max(k for k, m in enumerate(mask) if m) + 1

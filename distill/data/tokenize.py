@@ -21,7 +21,7 @@ import logging
 import datasets
 import jinja2
 
-from distill.data.chat import IGNORE_INDEX, ChatEncoder, TemplateError
+from distill.data.chat import IGNORE_INDEX, ChatEncoder, MergedBoundary, TemplateError
 from distill.data.rows import DataError, prompt_conversation, sft_conversation
 from distill.data.sources import columns, source_name, where
 
@@ -93,6 +93,8 @@ class RowEncoder:
                     return [], "too_long", len(ids)
                 return [(ids, [IGNORE_INDEX] * len(ids))], "", 0
             return self._sft(sft_conversation(row, self.cols, self.source, idx))
+        except MergedBoundary:
+            return [], "merged", 0
         except (TemplateError, jinja2.TemplateError) as err:
             raise TemplateError(f"{where(self.source, idx)}: {err}") from err
 
@@ -113,10 +115,12 @@ class RowEncoder:
 
 
 def tokenize_source(ds, source: dict, tokenizer, max_length: int, *, chat_template=None,
-                    assistant_turns: str = "all", cpt_stride: int | None = None):
+                    assistant_turns: str = "all", cpt_stride: int | None = None,
+                    chat_template_kwargs: dict | None = None):
     """Map one raw source to input_ids / labels / example_id; refuse it if nothing trains."""
     kind, name = source.get("kind", "sft"), source_name(source)
-    chat = None if kind == "cpt" else ChatEncoder(tokenizer, chat_template, assistant_turns)
+    chat = None if kind == "cpt" else ChatEncoder(tokenizer, chat_template, assistant_turns,
+                                                  chat_template_kwargs)
     encode_row = RowEncoder(source, columns(source, ds.column_names), tokenizer, max_length,
                             chat, cpt_stride)
 
@@ -167,7 +171,8 @@ def report(tok, source: dict, rows: int, max_length: int) -> None:
 WHY = {"no_assistant": "rows without an assistant turn",
        "unmarked": "rows whose {% generation %} marks cover no token",
        "too_long": "examples longer than max_length with no trained token left",
-       "empty": "empty texts"}
+       "empty": "empty texts",
+       "merged": "rows whose answer the tokenizer merges with the generation prompt"}
 
 
 def raise_empty(name, kind, rows, count, need, max_length) -> None:
@@ -180,6 +185,13 @@ def raise_empty(name, kind, rows, count, need, max_length) -> None:
         raise ValueError(f"data source {name!r} has no trainable token: none of its {rows} "
                          "rows has an assistant turn (role 'assistant'); SFT trains the "
                          "assistant turns; for prompts only (on-policy) set kind: prompts")
+    if count.get("merged"):
+        raise TemplateError(f"data source {name!r} has no trainable token: in every row the "
+                            "tokenizer merges the end of the generation prompt with the start "
+                            "of the answer into one token, so the tokens the model writes are "
+                            "not defined; the generation prompt must end where a token ends "
+                            "(a special token, or whitespace the answers do not continue): "
+                            "fix it with data.chat_template=")
     if count.get("unmarked"):
         raise TemplateError(f"data source {name!r} has no trainable token: the chat "
                             "template's {% generation %} marks cover no token of the "

@@ -86,7 +86,9 @@ QWEN3 = (  # keeps <think> only for assistant turns after the last user turn
     "{%- else %}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"
 )
 
 # name -> (template, bos, end-of-turn token, the text it writes after that token)

@@ -109,6 +109,20 @@ def test_rewriting_template_gives_one_example_per_turn(tokenizers):
     assert len(one.examples(messages[:2])) == 1 and not one.rewrites
 
 
+def test_template_kwargs_reach_the_template(tokenizers):
+    """Qwen3 with enable_thinking=false: the generation prompt holds an empty <think> block,
+    so only the answer and <|im_end|> are written by the model."""
+    tok = tokenizers["qwen3"]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"}]
+    enc = ChatEncoder(tok, template_kwargs={"enable_thinking": False})
+    [(ids, labels)] = enc.examples(messages)
+    assert trained_runs(tok, ids, labels) == ["Hello!<|im_end|>"]
+    assert text(tok, enc.prompt(messages[:1])).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    [(ids, labels)] = ChatEncoder(tok).examples(messages)
+    assert trained_runs(tok, ids, labels) == ["<think>\n\n</think>\n\nHello!<|im_end|>"]
+
+
 def test_template_that_is_not_prefix_stable_is_refused(tokenizers):
     broken = CHATML.replace("'<|im_start|>assistant\n'", "'<|im_start|>Assistant\n'")
     assert broken != CHATML
@@ -117,20 +131,41 @@ def test_template_that_is_not_prefix_stable_is_refused(tokenizers):
         ChatEncoder(tokenizers["chatml"], chat_template=broken).examples(TURNS)
 
 
-def test_tokens_merged_across_the_generation_prompt_are_refused(tmp_path):
+def test_tokens_merged_across_the_generation_prompt(tmp_path, caplog):
     """A generation prompt that ends with a space, and a tokenizer whose words carry their
-    leading space (" Hello"): the prompt's last token is not a token of the full text."""
-    words = ["<|im_start|>", "<|im_end|>", "<unk>", " ", "\n", "!", "user", "assistant",
-             "hi", "Hello", " Hello", ":"]
+    leading space (" Hello"): the prompt's last token is not a token of the full text. Such
+    a row is dropped and counted; a source where every row merges is refused."""
+    import json
+    import logging
+
+    from distill.data import DistillDataModule
+
+    words = ["<|im_start|>", "<|im_end|>", "<unk>", "<pad>", " ", "\n", "!", "user",
+             "assistant", "hi", "Hello", " Hello", ":"]
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r" ?[A-Za-z]+|[\s\S]"), "isolated")
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>",
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>",
                                   additional_special_tokens=words[:2])
-    spaced = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
-              "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
     with pytest.raises(TemplateError, match="the tokenizer merges the end of the generation "
                                             "prompt with the start of assistant turn 1"):
-        ChatEncoder(tok, chat_template=spaced).examples(TURNS[:2])
+        ChatEncoder(tok).examples(TURNS[:2])
+    fine = [TURNS[0], {"role": "assistant", "content": "!"}]  # "!" is not merged with " "
+    [(ids, labels)] = ChatEncoder(tok).examples(fine)
+    assert trained_runs(tok, ids, labels) == ["!\n"]
+    path = tmp_path / "m.jsonl"
+    src = [{"name": "m", "kind": "sft", "path": str(path)}]
+    path.write_text(json.dumps({"messages": TURNS[:2]}) + "\n" + json.dumps({"messages": fine}))
+    with caplog.at_level(logging.INFO, logger="distill.data.tokenize"):
+        DistillDataModule(tok, train=src).setup("fit")
+    assert ("2 rows -> 1 examples; dropped: 1 rows whose answer the tokenizer merges with the "
+            "generation prompt") in caplog.text
+    path.write_text(json.dumps({"messages": TURNS[:2]}) + "\n")
+    with pytest.raises(TemplateError, match="in every row the tokenizer merges the end of the "
+                                            "generation prompt with the start of the answer"):
+        DistillDataModule(tok, train=src).setup("fit")
 
 
 def test_chat_template_override_string_and_file(tokenizers, tmp_path):
