@@ -88,15 +88,23 @@ class ChatEncoder:
 
     def examples(self, messages: list[dict]) -> list[tuple[list[int], list[int]]]:
         """(input_ids, labels) per example; [] when there is no assistant turn."""
+        texts, finish = self.plan(messages)
+        return finish(self.tokens(texts) if texts else [])
+
+    def plan(self, messages: list[dict]):
+        """(texts to tokenize, finish(their tokens) -> examples): a batch of rows then needs
+        one tokenizer call, which the fast tokenizers spread over the CPU cores."""
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if not turns:
-            return []
+            return [], lambda toks: []
         if self.last_only:
             turns = turns[-1:]
         if self.markers:
-            return [self._marked(messages, turns)]
+            return [], lambda toks: [self._marked(messages, turns)]
         texts = [self.render(messages[:i + g], not g) for i in turns for g in (0, 1)]
-        toks = self.tokens(texts)
+        return texts, lambda toks: self._split(turns, texts, toks)
+
+    def _split(self, turns: list[int], texts: list[str], toks: list[list[int]]):
         pairs = [(toks[2 * k], toks[2 * k + 1], texts[2 * k], texts[2 * k + 1])
                  for k in range(len(turns))]
         spans = [self._span(p, d, tp, td, i) for i, (p, d, tp, td) in zip(turns, pairs)]

@@ -21,7 +21,7 @@ from distill.data.tokenize import tokenize_source
 def build_dataset(sources, tokenizer, max_length: int, seed: int, mix: bool = True,
                   stopping_strategy: str = "first_exhausted", **options):
     """Tokenized sources, mixed by weight (or concatenated). `options`: chat_template,
-    assistant_turns, cpt_stride, chat_template_kwargs (distill.data.tokenize)."""
+    assistant_turns, cpt_stride, chat_template_kwargs, num_proc (distill.data.tokenize)."""
     parts = [tokenize_source(load_source(s), s, tokenizer, max_length, **options)
              for s in sources]
     if len(parts) == 1:
@@ -56,7 +56,7 @@ class DistillDataModule(L.LightningDataModule):
                  pad_to_multiple_of: int = 1, packing: bool = False,
                  chat_template: str | None = None, assistant_turns: str = "all",
                  cpt_stride: int | None = None, chat_template_kwargs: dict | None = None,
-                 mix_stopping: str = "first_exhausted"):
+                 num_proc: int | None = None, mix_stopping: str = "first_exhausted"):
         super().__init__()
         if not train:
             raise ValueError("data.train lists no source: add at least one {kind, path}")
@@ -73,7 +73,8 @@ class DistillDataModule(L.LightningDataModule):
                              f"{assistant_turns!r}")
         self.options = {"chat_template": chat_template, "assistant_turns": assistant_turns,
                         "cpt_stride": cpt_stride,
-                        "chat_template_kwargs": dict(chat_template_kwargs or {})}
+                        "chat_template_kwargs": dict(chat_template_kwargs or {}),
+                        "num_proc": num_proc}
         if mix_stopping not in ("first_exhausted", "all_exhausted"):
             raise ValueError(f"data.mix_stopping must be 'first_exhausted' (the mix ends with "
                              f"its first source used up) or 'all_exhausted' (smaller sources "

@@ -38,12 +38,13 @@ FEATURES = datasets.Features({
 
 
 def cpt_ids(text: str, tokenizer) -> list[int]:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if tokenizer.bos_token_id is not None:
-        ids = [tokenizer.bos_token_id] + ids
-    if tokenizer.eos_token_id is not None:
-        ids = ids + [tokenizer.eos_token_id]
-    return ids
+    return with_bos_eos(tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer)
+
+
+def with_bos_eos(ids: list[int], tokenizer) -> list[int]:
+    """A document as plain-text pretraining sees it: bos, the text, eos (where defined)."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return ([bos] if bos is not None else []) + ids + ([eos] if eos is not None else [])
 
 
 def cpt_windows(ids: list[int], max_length: int, stride: int | None = None):
@@ -75,31 +76,41 @@ class RowEncoder:
         if self.kind == "cpt":  # check the stride once, not per row
             cpt_windows([0, 0], max_length, cpt_stride)
 
-    def __call__(self, row: dict, idx: int) -> tuple[list, str, int]:
-        """(examples, drop reason, max_length needed) of one row."""
-        if self.kind == "cpt":
-            text = row[self.cols[0]]
-            if not isinstance(text, str):
-                raise DataError(f"{where(self.source, idx)}: field {self.cols[0]!r} must be a "
-                                f"string, got {type(text).__name__}")
-            ids = cpt_ids(text, self.tokenizer)
-            if len(ids) < 2:
-                return [], "empty", 0
-            return cpt_windows(ids, self.max_length, self.stride), "", 0
+    def plan(self, row: dict, idx: int):
+        """(texts to tokenize, finish(tokens) -> (examples, drop reason, max_length needed))."""
         try:
+            if self.kind == "cpt":
+                text = row[self.cols[0]]
+                if not isinstance(text, str):
+                    raise DataError(f"{where(self.source, idx)}: field {self.cols[0]!r} must "
+                                    f"be a string, got {type(text).__name__}")
+                return [text], lambda toks: self._cpt(toks[0])
             if self.kind == "prompts":
-                ids = self.chat.prompt(prompt_conversation(row, self.cols, self.source, idx))
-                if len(ids) > self.max_length:
-                    return [], "too_long", len(ids)
-                return [(ids, [IGNORE_INDEX] * len(ids))], "", 0
-            return self._sft(sft_conversation(row, self.cols, self.source, idx))
-        except MergedBoundary:
-            return [], "merged", 0
+                msgs = prompt_conversation(row, self.cols, self.source, idx)
+                return [self.chat.render(msgs, True)], lambda toks: self._prompt(toks[0])
+            texts, finish = self.chat.plan(sft_conversation(row, self.cols, self.source, idx))
+            return texts, lambda toks: self._sft(finish, toks, idx)
         except (TemplateError, jinja2.TemplateError) as err:
             raise TemplateError(f"{where(self.source, idx)}: {err}") from err
 
-    def _sft(self, messages):
-        examples = self.chat.examples(messages)
+    def _cpt(self, ids: list[int]):
+        ids = with_bos_eos(ids, self.tokenizer)
+        if len(ids) < 2:
+            return [], "empty", 0
+        return cpt_windows(ids, self.max_length, self.stride), "", 0
+
+    def _prompt(self, ids: list[int]):
+        if len(ids) > self.max_length:
+            return [], "too_long", len(ids)
+        return [(ids, [IGNORE_INDEX] * len(ids))], "", 0
+
+    def _sft(self, finish, toks, idx: int):
+        try:
+            examples = finish(toks)
+        except MergedBoundary:
+            return [], "merged", 0
+        except TemplateError as err:
+            raise TemplateError(f"{where(self.source, idx)}: {err}") from err
         if not examples:
             return [], "no_assistant", 0
         kept, need = [], 0
@@ -116,8 +127,9 @@ class RowEncoder:
 
 def tokenize_source(ds, source: dict, tokenizer, max_length: int, *, chat_template=None,
                     assistant_turns: str = "all", cpt_stride: int | None = None,
-                    chat_template_kwargs: dict | None = None):
-    """Map one raw source to input_ids / labels / example_id; refuse it if nothing trains."""
+                    chat_template_kwargs: dict | None = None, num_proc: int | None = None):
+    """Map one raw source to input_ids / labels / example_id; refuse it if nothing trains.
+    `num_proc` > 1 tokenizes in that many processes (datasets.map)."""
     kind, name = source.get("kind", "sft"), source_name(source)
     chat = None if kind == "cpt" else ChatEncoder(tokenizer, chat_template, assistant_turns,
                                                   chat_template_kwargs)
@@ -126,8 +138,15 @@ def tokenize_source(ds, source: dict, tokenizer, max_length: int, *, chat_templa
 
     def encode(batch, indices):
         out = {k: [] for k in FEATURES}
-        for j, idx in enumerate(indices):
-            examples, drop, need = encode_row({c: batch[c][j] for c in batch}, idx)
+        plans = [encode_row.plan({c: batch[c][j] for c in batch}, idx)
+                 for j, idx in enumerate(indices)]
+        texts = [t for row_texts, _ in plans for t in row_texts]
+        # one call for the whole batch: the tokenizer's own threads share it out
+        toks = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        at = 0
+        for (row_texts, finish), idx in zip(plans, indices):
+            examples, drop, need = finish(toks[at:at + len(row_texts)])
+            at += len(row_texts)
             if drop:  # a placeholder row carries the reason to the summary
                 examples = [([], [])]
             for k, (ids, labels) in enumerate(examples):
@@ -139,7 +158,8 @@ def tokenize_source(ds, source: dict, tokenizer, max_length: int, *, chat_templa
         return out
 
     tok = ds.map(encode, with_indices=True, batched=True, remove_columns=ds.column_names,
-                 features=FEATURES, desc=f"tokenizing {name}")
+                 features=FEATURES, num_proc=num_proc if num_proc and num_proc > 1 else None,
+                 desc=f"tokenizing {name}")
     report(tok, source, len(ds), max_length)
     tok = tok.filter(lambda d: not d, input_columns="_drop", desc=f"filtering {name}")
     return tok.remove_columns(["_part", "_cut", "_drop", "_need"])

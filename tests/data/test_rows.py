@@ -117,3 +117,10 @@ def test_empty_file_and_kind_errors(chatml, tmp_path):
         dm.setup("fit")
     with pytest.raises(ValueError, match="assistant_turns must be 'all' or 'last'"):
         DistillDataModule(chatml, train=[{"path": str(path)}], assistant_turns="every")
+
+
+def test_tokenizing_in_processes_gives_the_same_examples(chatml, tmp_path):
+    rows = [{"messages": [Q, {"role": "assistant", "content": str(k)}]} for k in range(6)]
+    one = setup(chatml, tmp_path, rows).train_set.to_list()
+    two = setup(chatml, tmp_path, rows, num_proc=2).train_set.to_list()
+    assert one == two and len(one) == 6
