@@ -135,7 +135,7 @@ def table(rows: list[dict], args, teacher_gib: float | None) -> str:
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (a smoke test)")
-    p.add_argument("--rows", type=int, default=None, help="sequences per step (8; tiny 2)")
+    p.add_argument("--rows", type=int, default=None, help="sequences per step (16; tiny 2)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (2048; tiny 32)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per row (12; tiny 4)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the rate")
@@ -144,7 +144,7 @@ def parse(argv=None):
     args = p.parse_args(argv)
     args.shape = "tiny" if args.tiny else "real"
     args.vocab = 512 if args.tiny else 128256
-    args.rows = args.rows or (2 if args.tiny else 8)
+    args.rows = args.rows or (2 if args.tiny else 16)
     args.seq = args.seq or (32 if args.tiny else 2048)
     args.steps = args.steps or (4 if args.tiny else 12)
     if args.steps - args.warmup < 2:

@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from distill.lora import check_lora, load_exported, load_student
-from distill.train import train
 
 LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 RUNS: list = []  # what Probe saw, one entry per run
@@ -36,6 +35,8 @@ class Probe(L.Callback):
 
 
 def _lora_run(compose_cfg, out, *overrides, steps=3):
+    from distill.train import train  # here: the GPU test below runs without Hydra installed
+
     cfg = compose_cfg("+experiment=sft_fkl", "student=hf", "student.dtype=float32",
                       "student.lora.r=4", f"trainer.max_steps={steps}", "scheduler=none",
                       "optimizer.lr=1e-2", "+callbacks.probe._target_=tests.test_lora.Probe",
