@@ -95,6 +95,14 @@ def _ckpt_path(v) -> bool:
     return isinstance(v, str) and ("://" in v or Path(v).expanduser().is_file())
 
 
+def _devices(v) -> bool:
+    if v == "auto" or (_is_int(v) and (v >= 1 or v == -1)):
+        return True
+    if isinstance(v, str):  # "0,1" or "2": Lightning parses it
+        return v.replace(",", "").strip().isdigit() or v.strip() == "-1"
+    return isinstance(v, Sequence) and len(v) > 0 and all(_is_int(d) and d >= 0 for d in v)
+
+
 def _splits(v) -> bool:
     return isinstance(v, Sequence) and not isinstance(v, str) and len(v) > 0 and \
         all(s in ("train", "val") for s in v)
@@ -125,6 +133,9 @@ RULES: dict[str, Rule] = {
     "trainer.deterministic": Rule(lambda v: isinstance(v, bool) or v == "warn",
                                   "true, false or 'warn'"),
     "trainer.accelerator": text(),
+    "trainer.devices": Rule(_devices, "'auto', an integer >= 1 or -1 (all), a list of device "
+                            "ids, or a string of them ('0,1')"),
+    "trainer.num_nodes": integer(1),
     # --- data (distill.data.DistillDataModule) ---
     "data.train": Rule(_sources, "a non-empty list of sources ({name, kind, path, ...})"),
     "data.val": Rule(lambda v: v is None or v == [] or _sources(v),
@@ -205,6 +216,7 @@ RULES: dict[str, Rule] = {
     "evaluate.max_examples": integer(1, null=True),
     "evaluate.max_new_tokens": integer(1),
     "callbacks.checkpoint.every_n_train_steps": integer(0, null=True),
+    "callbacks.checkpoint.save_top_k": integer(-1),
     "callbacks.progress.refresh_rate": integer(0),
     "callbacks.export.merge": boolean(),
     "callbacks.throughput.window_size": integer(2, what=" (micro-batches)"),

@@ -74,6 +74,10 @@ BAD = [
     ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1: must be a finite number"),
     ("trainer.val_check_interval=0", "trainer.val_check_interval=0: must be an integer >= 1"),
     ("trainer.val_check_interval=1.5", "trainer.val_check_interval=1.5: must be an integer"),
+    ("trainer.devices=0", "trainer.devices=0: must be 'auto', an integer >= 1 or -1"),
+    ("trainer.devices=[]", "trainer.devices=[]: must be 'auto', an integer >= 1 or -1"),
+    ("trainer.num_nodes=0", "trainer.num_nodes=0: must be an integer >= 1"),
+    ("trainer.max_epochs=0", "trainer.max_epochs=0: must be an integer >= 1 or -1 or null"),
     ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0: must be an integer >= 1"),
     ("optimizer.lr=0", "optimizer.lr=0: must be a finite number > 0"),
     ("optimizer.lr=1e-3x", "optimizer.lr='1e-3x': must be a finite number > 0"),
@@ -132,7 +136,8 @@ def test_valid_edges_pass(mix):
                       "trainer.max_steps=-1", "trainer.max_epochs=2", "loss.temperature=3",
                       "trainer.val_check_interval=0.25", "student.dtype=bfloat16",
                       "data.train.0.weight=1e-6", "loss.divergence_weight=0",
-                      "loss.ce_weight=1", "ckpt_path=last")
+                      "loss.ce_weight=1", "ckpt_path=last", "trainer.devices='0,1'",
+                      "trainer.num_nodes=2")
     assert problems(cfg) == []
 
 
