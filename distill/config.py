@@ -92,7 +92,8 @@ def _val_interval(v) -> bool:
 def _ckpt_path(v) -> bool:
     if v is None or v == "last":
         return True  # remote checkpoints (s3://...) are Lightning's to find
-    return isinstance(v, str) and ("://" in v or Path(v).expanduser().is_file())
+    # a file, or a folder (FSDP's sharded checkpoints are folders of per-rank files)
+    return isinstance(v, str) and ("://" in v or Path(v).expanduser().exists())
 
 
 def _devices(v) -> bool:
@@ -117,7 +118,7 @@ RULES: dict[str, Rule] = {
     "seed": integer(0),
     "tokenizer": text(),
     "ckpt_path": Rule(_ckpt_path, "null, 'last' (resume from the checkpoints of "
-                      "paths.output_dir if any) or the path of an existing checkpoint file"),
+                      "paths.output_dir if any) or the path of an existing checkpoint"),
     # --- trainer (lightning.Trainer arguments) ---
     "trainer.accumulate_grad_batches": integer(1, what=" (micro-batches per optimizer step)"),
     "trainer.max_steps": integer(1, also=(-1,), what=" (-1: no step limit)"),

@@ -20,7 +20,8 @@ def resolve_ckpt_path(ckpt_path: str | None, callbacks: list) -> str | None:
         raise ValueError("ckpt_path=last resumes from the checkpoint callback's folder, but no "
                          "ModelCheckpoint with a dirpath is configured: use callbacks=default, "
                          "or give ckpt_path=<file>")
-    found = [p for d in folders for p in d.glob("last*.ckpt") if p.is_file()]
+    # a file, or a folder for FSDP's sharded checkpoints
+    found = [p for d in folders for p in d.glob("last*.ckpt") if p.exists()]
     if not found:
         rank_zero_warn(f"ckpt_path=last: no last.ckpt in {', '.join(map(str, folders))}; "
                        "starting a fresh run. To resume a run, set paths.output_dir to its "

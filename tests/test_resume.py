@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import OmegaConf
 
 from distill.data import DistillDataModule
 from distill.models import load_tokenizer
@@ -121,5 +122,19 @@ def test_ckpt_path_last_starts_fresh_then_resumes(compose_cfg, tmp_path):
 def test_a_missing_checkpoint_file_is_refused_before_loading(compose_cfg, tmp_path):
     from distill.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"ckpt_path='.*nope.ckpt': must be null, 'last'"):
+    with pytest.raises(ConfigError, match=r"ckpt_path='.*nope.ckpt': must be null, 'last' "
+                       r"\(resume .*\) or the path of an existing checkpoint"):
         train(compose_cfg("+experiment=sft_rkl", f"ckpt_path={tmp_path / 'nope.ckpt'}"))
+
+
+def test_last_finds_a_sharded_checkpoint_folder(tmp_path):
+    """FSDP's sharded checkpoints are folders: `last` and an explicit path accept them."""
+    from distill.config import problems
+    from distill.resume import resolve_ckpt_path
+
+    folder = tmp_path / "checkpoints" / "last.ckpt"
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(b"x")
+    save = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True)
+    assert resolve_ckpt_path("last", [save]) == str(folder)
+    assert problems(OmegaConf.create({"ckpt_path": str(folder)})) == []
