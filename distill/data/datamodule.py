@@ -12,6 +12,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from distill.data.chat import resolve_template
 from distill.data.collate import PadCollator
 from distill.data.pack import pack_dataset
 from distill.data.sources import load_source
@@ -60,6 +61,10 @@ class DistillDataModule(L.LightningDataModule):
         super().__init__()
         if not train:
             raise ValueError("data.train lists no source: add at least one {kind, path}")
+        if chat_template is not None:
+            # the evaluation and the exported tokenizer then use the template the student
+            # was trained with
+            tokenizer.chat_template = chat_template = resolve_template(chat_template)
         self.tokenizer = tokenizer
         self.train_sources, self.val_sources = list(train), list(val or [])
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size

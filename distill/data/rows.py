@@ -59,8 +59,10 @@ def _message(m, field: str, source: dict, idx: int) -> dict:
     m = {k: v for k, v in m.items() if v is not None}
     role = m.get("role")
     if not isinstance(role, str) or not role:
+        hint = ("; it has `from`/`value`, the ShareGPT format: convert it to role/content "
+                "(human -> user, gpt -> assistant)" if "from" in m and "value" in m else "")
         raise DataError(f"{where(source, idx)}: {field} has no `role` (system, user, "
-                        "assistant, ...)")
+                        f"assistant, ...){hint}")
     if "content" not in m and not m.get("tool_calls"):
         raise DataError(f"{where(source, idx)}: {field}.content is missing or null (role "
                         f"{role!r}); give it a string (it may be empty)")

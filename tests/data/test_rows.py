@@ -55,6 +55,8 @@ def test_prompt_completion_rows_strings_and_message_lists(chatml, tmp_path):
      r"row 2 \(line 3 of .*\): messages\[0\] has no `role`"),
     ([json.dumps({"messages": [Q, A]}) + "\n", json.dumps({"messages": []}) + "\n"],
      r"row 2 \(line 2 of .*\): field 'messages' is an empty conversation"),
+    ([json.dumps({"messages": [{"from": "human", "value": "hi"}]}) + "\n"],
+     r"messages\[0\] has no `role` .*; it has `from`/`value`, the ShareGPT format"),
     ([json.dumps({"messages": "hi"}) + "\n"],
      r"row 1 .*field 'messages' is a string; it must be a list of \{role, content\}"),
 ])

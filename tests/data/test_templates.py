@@ -224,11 +224,13 @@ def test_marks_and_prefix_spans_agree_and_train_through_the_cli_path(compose_cfg
     assert not MARKER.search(path.read_text()) and "endgeneration" not in path.read_text()
     cfg = compose_cfg("+experiment=sft_rkl", f"data.chat_template={path}",
                       "trainer.max_steps=2")
-    tok = load_tokenizer(cfg.tokenizer)
-    marked = instantiate(cfg.data, tokenizer=tok, chat_template=None)
-    plain = instantiate(cfg.data, tokenizer=tok)
+    marked = instantiate(cfg.data, tokenizer=load_tokenizer(cfg.tokenizer), chat_template=None)
     marked.setup("fit")
+    assert MARKER.search(marked.tokenizer.chat_template)
+    tok = load_tokenizer(cfg.tokenizer)
+    plain = instantiate(cfg.data, tokenizer=tok)
     plain.setup("fit")
     assert plain.train_set.to_list() == marked.train_set.to_list()
     assert plain.val_set.to_list() == marked.val_set.to_list()
+    assert tok.chat_template == path.read_text()  # what the export saves with the student
     assert train(cfg)["global_step"] == 2
