@@ -101,9 +101,30 @@ class CachedTeacher(torch.nn.Module):
             if ds is not None:
                 self.cache.check_split(split, describe(ds).fingerprint)
 
+    def prefetch_in(self, datamodule) -> None:
+        """Read each batch's targets in the DataLoader's collate: in its workers when
+        data.num_workers > 0, so the cache is read ahead of training, and on CPU tensors
+        either way, so the step needs no host sync."""
+        datamodule.collate = TargetsCollate(datamodule.collate, self.cache)
+
     @torch.no_grad()
     def targets(self, batch: dict) -> dict:
-        ids, logprobs = self.cache.batch_targets(batch)
+        if "target_ids" in batch:  # read by the loader (prefetch_in)
+            ids, logprobs = batch["target_ids"], batch["target_logprobs"]
+        else:
+            ids, logprobs = self.cache.batch_targets(batch)
         device = batch["input_ids"].device
         return {"target_ids": ids.to(device, non_blocking=True),
                 "target_logprobs": logprobs.to(device, non_blocking=True)}
+
+
+class TargetsCollate:
+    """A collate function followed by the batch's cached targets (picklable, for workers)."""
+
+    def __init__(self, collate, cache):
+        self.collate, self.cache = collate, cache
+
+    def __call__(self, examples):
+        batch = self.collate(examples)
+        batch["target_ids"], batch["target_logprobs"] = self.cache.batch_targets(batch)
+        return batch

@@ -63,6 +63,7 @@ def train(cfg: DictConfig) -> dict:
     datamodule = instantiate(cfg.data, tokenizer=tokenizer)
     if hasattr(teacher, "check_data"):  # a cached teacher must match this tokenizer and data
         teacher.check_data(datamodule, tokenizer)
+        teacher.prefetch_in(datamodule)  # its targets come with each batch
     module = DistillModule(student, teacher, loss=OmegaConf.to_container(cfg.loss, resolve=True),
                            optimizer=instantiate(cfg.optimizer),
                            scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
