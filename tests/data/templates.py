@@ -50,6 +50,21 @@ MISTRAL = (  # system folded into the first user turn, answers end with </s>
     "{%- else %}{{- ' ' + m['content'] + eos_token }}{%- endif %}"
     "{%- endfor %}"
 )
+MISTRAL_LAST_SYSTEM = (  # newer Mistral style: the system text joins the LAST user turn, so
+    # it moves when a turn is added (a rewriting template, like QWEN3)
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- set system = messages[0]['content'] + '\n\n' %}{%- set rest = messages[1:] %}"
+    "{%- else %}{%- set system = '' %}{%- set rest = messages %}{%- endif %}"
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in rest %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{{- bos_token }}"
+    "{%- for m in rest %}"
+    "{%- if m['role'] == 'user' %}"
+    "{{- '[INST] ' + (system if loop.index0 == ns.last_user else '') + m['content'] + ' [/INST]' }}"
+    "{%- else %}{{- ' ' + m['content'] + eos_token }}{%- endif %}"
+    "{%- endfor %}"
+)
 GEMMA = (  # no system role (folded into the first user turn), the assistant is "model"
     "{{- bos_token }}"
     "{%- if messages[0]['role'] == 'system' %}"

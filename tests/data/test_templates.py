@@ -11,7 +11,13 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from distill.data.chat import ChatEncoder, TemplateError
-from tests.data.templates import CHATML, QWEN3, TEMPLATES, make_chat_tokenizer
+from tests.data.templates import (
+    CHATML,
+    MISTRAL_LAST_SYSTEM,
+    QWEN3,
+    TEMPLATES,
+    make_chat_tokenizer,
+)
 
 LEAD = {"mistral": " "}  # Mistral's answer starts with the space after [/INST]
 TURNS = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "Hello!"},
@@ -107,6 +113,22 @@ def test_rewriting_template_gives_one_example_per_turn(tokenizers):
     assert last == second
     one = ChatEncoder(tok)
     assert len(one.examples(messages[:2])) == 1 and not one.rewrites
+
+
+def test_system_text_that_moves_to_the_last_user_turn(tokenizers, tmp_path):
+    """Newer Mistral templates put the system text in the last user turn: adding a turn
+    moves it, so each assistant turn is its own example, as the model saw it then."""
+    tok = make_chat_tokenizer(tmp_path / "m", MISTRAL_LAST_SYSTEM, "<s>")
+    enc = ChatEncoder(tok)
+    first, second = enc.examples(SYSTEM + TURNS)
+    assert enc.rewrites
+    assert text(tok, first[0]) == "<s>[INST] Be brief.\n\nhi there [/INST] Hello!</s>"
+    assert trained_runs(tok, *first) == [" Hello!</s>"]
+    assert text(tok, second[0]) == ("<s>[INST] hi there [/INST] Hello!</s>"
+                                    "[INST] Be brief.\n\n2+2? [/INST] It is 4.</s>")
+    assert trained_runs(tok, *second) == [" It is 4.</s>"]
+    [(ids, labels)] = ChatEncoder(tok).examples(TURNS)  # no system turn: nothing moves
+    assert trained_runs(tok, ids, labels) == [" Hello!</s>", " It is 4.</s>"]
 
 
 def test_template_kwargs_reach_the_template(tokenizers):
