@@ -79,3 +79,26 @@ def test_loss_under_autocast_keeps_fp32_logits(kind):
     for got, want in ((hs.grad, h64.grad), (ws.grad, w64.grad)):
         torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-7)
         assert (got.double() - want).abs().max() < 2**-8 * want.abs().max()
+
+
+def test_a_16_bit_student_under_mixed_precision_is_warned(compose_cfg, tiny_assets):
+    import warnings
+
+    from distill.callbacks.precision_check import half_trainable
+    from distill.train import train
+
+    base = ["student=hf", "teacher=hf", f"student.name_or_path={tiny_assets['student']}",
+            f"teacher.name_or_path={tiny_assets['teacher']}", "trainer.precision=bf16-mixed",
+            "trainer.max_steps=1", "callbacks.export=null", "callbacks.checkpoint=null"]
+    with pytest.warns(UserWarning, match=r"trainable weights are 16-bit .* under precision "
+                                         r"bf16-mixed.*student.dtype=float32"):
+        train(compose_cfg(*base, "student.dtype=bfloat16"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train(compose_cfg(*base))  # student=hf's float32: fp32 master weights, no warning
+    assert not [w for w in seen if "trainable weights are 16-bit" in str(w.message)]
+    # a frozen bf16 base with fp32 adapters (LoRA) trains fp32 weights only
+    frozen = torch.nn.Linear(4, 4).bfloat16().requires_grad_(False)
+    adapter = torch.nn.Linear(4, 2)
+    assert half_trainable(torch.nn.Sequential(frozen, adapter)) == {}
+    assert half_trainable(torch.nn.Linear(4, 4).bfloat16()) == {torch.bfloat16: 20}

@@ -1,9 +1,10 @@
 """Lightning callbacks: the step token pre-count, throughput, export of the student, the
-head check."""
+head and precision checks."""
 
 from distill.callbacks.export import ExportStudent
 from distill.callbacks.head_check import HeadCheck
+from distill.callbacks.precision_check import PrecisionCheck
 from distill.callbacks.step_tokens import StepTokenCounter
 from distill.callbacks.throughput import TokenThroughput
 
-__all__ = ["ExportStudent", "HeadCheck", "StepTokenCounter", "TokenThroughput"]
+__all__ = ["ExportStudent", "HeadCheck", "PrecisionCheck", "StepTokenCounter", "TokenThroughput"]
