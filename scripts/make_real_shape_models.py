@@ -229,6 +229,9 @@ def run_pair(pair: str, root: Path, data: Path, logs: Path, args) -> dict:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
     result = {"rc": rc, "train_wall_s": round(time.perf_counter() - t0, 1),
               "peak_gpu_mib": mem.peak_mib}
+    text = (logs / f"train_{pair}.log").read_text(errors="replace")
+    result["head_check"] = "passed" if "head check passed for student, teacher" in text else \
+        "see the log"
     metrics = sorted(out.glob("logs/version_*/metrics.csv"))
     if metrics:
         result.update(read_metrics(metrics[-1]))
