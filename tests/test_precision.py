@@ -7,6 +7,7 @@ keep the trainable student's weights in a dtype where it does not.
 
 import pytest
 import torch
+from hydra.utils import instantiate
 
 from distill.models import trainable_dtype
 
@@ -29,6 +30,8 @@ def test_default_gpu_config_keeps_small_updates(compose_cfg, tiny_assets, preset
                       f"teacher.name_or_path={tiny_assets['teacher']}")
     dtype = trainable_dtype(cfg.student.dtype, cfg.trainer.precision)
     assert dtype == torch.float32
+    student = instantiate(cfg.student)  # what the composed config really loads
+    assert {p.dtype for p in student.parameters() if p.requires_grad} == {dtype}
     assert moved_fraction(dtype) > 0.99
     assert cfg.teacher.dtype == "bfloat16"  # the frozen teacher is bf16 on GPUs
 
