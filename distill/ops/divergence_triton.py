@@ -12,6 +12,12 @@ directly). The writing pass walks the row in the direction that only overwrites 
 has already read, with a barrier between the loads and the stores of each block, because
 another warp of the program may still need the bytes a store lands on. Walking the last
 pass backwards also re-reads first the blocks pass 1 read last, which are still in L2.
+
+At the extremes (one logit tens of units above the rest) nothing is a difference of
+numbers near 1 (docs/notes/kernels.md): normalizers are kept as (max, rest) and finished
+with log1p; the cached path sets the K ids' logits to -inf in the row before pass 1, which
+then sums the tail directly; the writing pass tracks the row's largest logit and writes its
+entry last, as minus the sum of all the others.
 """
 
 from __future__ import annotations
@@ -21,19 +27,14 @@ import triton
 import triton.language as tl
 
 from distill.losses.spec import TAIL_FLOOR, DivergenceSpec
+from distill.ops.sparse_triton import _sparse_fwd_kernel
+from distill.ops.triton_math import _logaddexp, _online, _track_ref
 
 _KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
 # (BLOCK, num_warps) per row program, measured on an H200 at V=128256 (docs/notes/kernels.md);
 # scripts/bench_loss.py --tune re-measures them.
 CONFIG = {"live": (4096, 8), "sparse": (8192, 8)}
 MAX_K = 16384  # top-k ids held in registers by one program
-
-
-@triton.jit
-def _online(m, s, x):
-    """Fold a block x into a running (max, sum of exp(x - max))."""
-    m_new = tl.maximum(m, tl.max(x, 0))
-    return m_new, s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
 
 
 @triton.jit
@@ -51,61 +52,6 @@ def _merge_tiles(st_ptr, plane, NT, BLOCK_T: tl.constexpr):
         s_run = s_run * tl.exp(m_run - m_new) + tl.sum(s * tl.exp(m - m_new), 0)
         m_run = m_new
     return m_run, s_run
-
-
-@triton.jit
-def _logaddexp(x, y):
-    hi = tl.maximum(x, y)
-    return hi + tl.log(1.0 + tl.exp(tl.minimum(x, y) - hi))
-
-
-@triton.jit
-def _log1p(x):
-    """log(1 + x) for x >= 0, to fp32's relative accuracy where x is tiny (a series there:
-    log(1 + x) would round x away, and the GPU's log is not exact near 1)."""
-    s = x * (1.0 - x * (0.5 - x * (1.0 / 3 - x * (0.25 - x * (0.2 - x * (1.0 / 6 - x / 7))))))
-    return tl.where(x < 0.0625, s, tl.log(1.0 + x))
-
-
-@triton.jit
-def _expm1(x):
-    """exp(x) - 1 for x <= 0, to fp32's relative accuracy where x is tiny."""
-    s = x * (1.0 + x / 2 * (1.0 + x / 3 * (1.0 + x / 4 * (1.0 + x / 5 * (1.0 + x / 6 * (
-        1.0 + x / 7))))))
-    return tl.where(x > -0.0625, s, tl.exp(x) - 1.0)
-
-
-@triton.jit
-def _fold_rest(m, r, bm, br):
-    """Merge two (max, rest) pairs, each standing for exp(max) * (1 + rest): the largest
-    entry's 1 is never added to the small terms, where fp32 would round them away."""
-    up = bm > m
-    r_up = br + (1.0 + r) * tl.exp(m - bm)
-    r_keep = r + (1.0 + br) * tl.exp(bm - m)
-    r_new = tl.where(up, r_up, r_keep)
-    return tl.maximum(m, bm), tl.where(bm == float("-inf"), r, r_new)
-
-
-@triton.jit
-def _rest_of(x, offs):
-    """(max, sum of exp(x - max) over the entries but the argmax) of a block."""
-    bm = tl.max(x, 0)
-    e = tl.where(offs == tl.argmax(x, 0), 0.0, tl.exp(x - bm))
-    return bm, tl.sum(tl.where(x == float("-inf"), 0.0, e), 0)
-
-
-@triton.jit
-def _track_ref(rm, ri, rg, acc, z, g, idx, offs):
-    """Running largest logit (rm at index ri, its gradient rg) and the sum `acc` of every
-    other gradient entry: the largest entry's exact gradient is minus that sum."""
-    bi = tl.argmax(z, 0)
-    bm = tl.max(z, 0)
-    g_bi = tl.sum(tl.where(offs == bi, g, 0.0), 0)
-    g_rest = tl.sum(tl.where(offs == bi, 0.0, g), 0)
-    up = bm > rm
-    acc = acc + g_rest + tl.where(up, rg, g_bi)
-    ri = tl.where(up, tl.sum(tl.where(offs == bi, idx, 0), 0), ri)
-    return tl.maximum(rm, bm), ri, tl.where(up, g_bi, rg), acc
 
 
 @triton.jit
@@ -199,10 +145,12 @@ def _live_fwd_kernel(
             cq += tl.sum(tq, 0)
         c = (1.0 - beta) * cq
     rm, ri, rg, acc = zero + ninf, tl.zeros((), tl.int32), zero, zero
+    acc_v = tl.zeros((BLOCK,), tl.float32)
     if NEED_GRAD or KIND != 2:
         # last pass: the KL terms and the gradient; backwards, except after JSD's pass 2
         for i in range(0, nb):
-            idx = (i if KIND == 2 else nb - 1 - i) * BLOCK + offs
+            base = (i if KIND == 2 else nb - 1 - i) * BLOCK
+            idx = base + offs
             mask = idx < V
             zs = tl.load(zs_row + idx, mask=mask, other=ninf)
             logq = zs * inv_t - ls
@@ -225,13 +173,14 @@ def _live_fwd_kernel(
                         sm = tl.exp(zs - l1)
                     g += ce_weight * (sm - tl.where(idx == label, 1.0, 0.0))
                 g = tl.where(mask, g, 0.0)
-                rm, ri, rg, acc = _track_ref(rm, ri, rg, acc, zs, g, idx, offs)
+                rm, ri, rg, acc, acc_v = _track_ref(rm, ri, rg, acc, acc_v, zs, g, base, offs)
                 if HAS_SCALE:
                     g = g * rs
                 if ALIAS:
                     tl.debug_barrier()  # the store may land on logits another warp reads
                 tl.store(dz_row + idx, g.to(dz_ptr.dtype.element_ty), mask=mask)
     if NEED_GRAD:
+        acc += tl.sum(acc_v, 0)
         # the largest logit's exact gradient (~exp(-gap)) is minus the others' sum; its
         # own q_* (G_* - <q, G>) is a difference of nearly equal numbers
         tl.debug_barrier()
@@ -240,178 +189,6 @@ def _live_fwd_kernel(
     if WRITE_CE:
         tl.store(ce_ptr + row, ce)
 
-
-
-@triton.jit
-def _categories(logq, lp, logq_t, p_t, kmask, beta, KIND: tl.constexpr):
-    """Divergence over the K ids and the tail bucket, and d loss / d a of each category
-    (da_k, da_t); the most likely category's from the others (they sum to zero)."""
-    p, q = tl.exp(lp), tl.exp(logq)
-    q_t = tl.exp(logq_t)
-    lpt = tl.log(p_t)
-    if KIND == 0:
-        div = tl.sum(tl.where(kmask & (p > 0), p * (lp - logq), 0.0), 0)
-        div += tl.where(p_t > 0, p_t * (lpt - logq_t), 0.0)
-        da_k = q - p
-        da_t = q_t - p_t
-    else:
-        if KIND == 1:
-            gk = tl.where(q > 0, logq - lp, 0.0)
-            gt = tl.where(q_t > 0, logq_t - lpt, 0.0)
-            div = tl.sum(tl.where(kmask, q * gk, 0.0), 0) + q_t * gt
-        else:
-            logm = _logaddexp(lp + tl.log(beta), logq + tl.log(1.0 - beta))
-            lmt = _logaddexp(lpt + tl.log(beta), logq_t + tl.log(1.0 - beta))
-            tp = tl.sum(tl.where(kmask & (p > 0), p * (lp - logm), 0.0), 0)
-            tp += tl.where(p_t > 0, p_t * (lpt - lmt), 0.0)
-            gk = (1.0 - beta) * tl.where(q > 0, logq - logm, 0.0)
-            gt = (1.0 - beta) * tl.where(q_t > 0, logq_t - lmt, 0.0)
-            div = beta * tp + tl.sum(tl.where(kmask, q * gk, 0.0), 0) + q_t * gt
-        c = tl.sum(tl.where(kmask, q * gk, 0.0), 0) + q_t * gt
-        da_k = q * (gk - c)
-        da_t = q_t * (gt - c)
-    da_k = tl.where(kmask, da_k, 0.0)
-    logq = tl.where(kmask, logq, float("-inf"))
-    koffs = tl.arange(0, logq.shape[0])
-    kref = tl.argmax(logq, 0)
-    k_others = tl.sum(tl.where(koffs == kref, 0.0, da_k), 0)
-    tail_ref = logq_t > tl.max(logq, 0)
-    da_k_ref = tl.sum(tl.where(koffs == kref, da_k, 0.0), 0)
-    da_k = tl.where(koffs == kref, tl.where(tail_ref, da_k, -(k_others + da_t)), da_k)
-    da_t = tl.where(tail_ref, -(k_others + da_k_ref), da_t)
-    return div, da_k, da_t
-
-
-@triton.jit
-def _sparse_fwd_kernel(
-    zs_ptr,  # (C, V) fp32 student logits, consumed (the top-k entries become -inf)
-    dz_ptr,  # (C, V) fp32/bf16/fp16 out: row_scale * d loss / d zs (may alias zs)
-    ids_ptr,  # (C, K) int32/int64 cached top-k token ids
-    lp_ptr,  # (C, K) fp16/bf16/fp32 their teacher log-probabilities (at T)
-    loss_ptr,  # (C,) fp32 out: factor * divergence + ce_weight * ce
-    ce_ptr,  # (C,) fp32 out: cross-entropy of the untempered student (if WRITE_CE)
-    labels_ptr,  # (C,) int64 hard labels (if HAS_CE)
-    scale_ptr,  # (C,) fp32 row scale of the gradient (if HAS_SCALE)
-    V, K, stride_s, stride_d, stride_i, stride_l,
-    inv_t, beta, ce_weight, factor, tail_floor,
-    KIND: tl.constexpr, RENORM: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_CE: tl.constexpr,
-    CE_GRAD: tl.constexpr, CE_SEP: tl.constexpr, WRITE_CE: tl.constexpr, HAS_SCALE: tl.constexpr,
-    NEED_GRAD: tl.constexpr, ALIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    zs_row = zs_ptr + row * stride_s
-    dz_row = dz_ptr + row * stride_d
-    offs = tl.arange(0, BLOCK)
-    nb = (V + BLOCK - 1) // BLOCK
-    ninf = float("-inf")
-    zero = tl.zeros((), tl.float32)
-    # the K ids in registers; then their logits are set to -inf in the row, so that pass 1
-    # sums the tail (the entries off the top-k) directly instead of 1 - sum(q_k)
-    koffs = tl.arange(0, BLOCK_K)
-    kmask = koffs < K
-    ids = tl.load(ids_ptr + row * stride_i + koffs, mask=kmask, other=0)
-    lp = tl.load(lp_ptr + row * stride_l + koffs, mask=kmask, other=ninf).to(tl.float32)
-    zk = tl.load(zs_row + ids, mask=kmask, other=ninf)
-    label = 0
-    zl = zero
-    if HAS_CE:
-        label = tl.load(labels_ptr + row)
-        zl = tl.load(zs_row + label)
-    tl.debug_barrier()
-    tl.store(zs_row + ids, tl.zeros((BLOCK_K,), tl.float32) + ninf, mask=kmask)
-    tl.debug_barrier()
-    mt, rt, m1, r1 = zero + ninf, zero, zero + ninf, zero
-    for i in range(0, nb):  # pass 1: the tail of softmax(zs / T) (and of softmax(zs))
-        idx = i * BLOCK + offs
-        zs = tl.load(zs_row + idx, mask=idx < V, other=ninf)
-        bm, br = _rest_of(zs * inv_t, offs)
-        mt, rt = _fold_rest(mt, rt, bm, br)
-        if CE_SEP:
-            bm, br = _rest_of(zs, offs)
-            m1, r1 = _fold_rest(m1, r1, bm, br)
-    ak = zk * inv_t
-    mk, rk = _rest_of(ak, koffs)
-    ms, rs_ = _fold_rest(mt, rt, mk, rk)
-    ls = ms + _log1p(rs_)  # the full normalizer
-    lt = mt + _log1p(rt)  # the tail's log-sum-exp (-inf without a tail)
-    l1 = ls
-    if CE_SEP:
-        mk1, rk1 = _rest_of(zk, koffs)
-        m1, r1 = _fold_rest(m1, r1, mk1, rk1)
-        l1 = m1 + _log1p(r1)
-    mp, rp = _rest_of(lp, koffs)
-    if RENORM:
-        logq = ak - mk - _log1p(rk)
-        lp = lp - mp - _log1p(rp)
-        logq_t, p_t = zero + ninf, zero
-    else:
-        logq = ak - ls
-        logq_t = lt - ls
-        p_t = zero
-        if HAS_TAIL:  # 1 - sum(p_k) as -expm1(log sum p_k): exact when the tail is tiny
-            p_t = tl.maximum(-_expm1(tl.minimum(mp + _log1p(rp), 0.0)), 0.0)
-        if KIND == 1:
-            p_t = tl.maximum(p_t, tail_floor)  # else an empty teacher tail makes RKL infinite
-    div, da_k, da_t = _categories(logq, lp, logq_t, p_t, kmask, beta, KIND)
-    ce = zero
-    if HAS_CE:
-        ce = l1 - zl
-    tl.store(loss_ptr + row, factor * div + ce_weight * ce)
-    if WRITE_CE:
-        tl.store(ce_ptr + row, ce)
-    if NEED_GRAD:
-        _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, label, lt,
-                     l1, da_k, da_t, inv_t, factor * inv_t, ce_weight, CE_GRAD, HAS_SCALE,
-                     ALIAS, BLOCK)
-
-
-@triton.jit
-def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, label, lt, l1,
-                 da_k, da_t, inv_t, gf, ce_weight, CE_GRAD: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, ALIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """Write the gradient: the tail entries share da_t in proportion to their part of the
-    tail (pass 2, backwards), then the K ids, then the row's largest logit from the rest."""
-    offs = tl.arange(0, BLOCK)
-    nb = (V + BLOCK - 1) // BLOCK
-    ninf = float("-inf")
-    zero = tl.zeros((), tl.float32)
-    rs = 1.0
-    if HAS_SCALE:
-        rs = tl.load(scale_ptr + row)
-    lt_safe = tl.where(lt == ninf, 0.0, lt)
-    n_label_in_k = tl.sum(tl.where(kmask & (ids == label), 1, 0), 0)
-    rm, ri, rg, acc = zero + ninf, tl.zeros((), tl.int32), zero, zero
-    for i in range(0, nb):
-        idx = (nb - 1 - i) * BLOCK + offs
-        mask = idx < V
-        zs = tl.load(zs_row + idx, mask=mask, other=ninf)  # -inf at the K ids
-        g = (gf * da_t) * tl.exp(zs * inv_t - lt_safe)
-        if CE_GRAD:
-            onehot = tl.where(idx == label, 1.0, 0.0) * (n_label_in_k == 0)  # else the ids
-            g += ce_weight * (tl.exp(zs - l1) - onehot)
-        g = tl.where(mask, g, 0.0)
-        rm, ri, rg, acc = _track_ref(rm, ri, rg, acc, zs, g, idx, offs)
-        if HAS_SCALE:
-            g = g * rs
-        if ALIAS:
-            tl.debug_barrier()  # the store may land on logits another warp reads
-        tl.store(dz_row + idx, g.to(dz_ptr.dtype.element_ty), mask=mask)
-    gk = gf * da_k
-    if CE_GRAD:
-        gk += ce_weight * (tl.exp(zk - l1) - tl.where(ids == label, 1.0, 0.0))
-    gk = tl.where(kmask, gk, 0.0)
-    # the largest logit is a cached id or in the tail: its gradient is minus the others'
-    zk_m = tl.where(kmask, zk, ninf)
-    kbest = tl.argmax(zk_m, 0)
-    koffs = tl.arange(0, zk.shape[0])
-    top_in_k = tl.max(zk_m, 0) > rm
-    k_others = tl.sum(tl.where(koffs == kbest, 0.0, gk), 0)
-    gk = tl.where(koffs == kbest, tl.where(top_in_k, -(acc + rg + k_others), gk), gk)
-    tl.debug_barrier()  # the top-k stores below must land after pass 2's
-    tl.store(dz_row + ids, (gk * rs).to(dz_ptr.dtype.element_ty), mask=kmask)
-    tl.debug_barrier()
-    tl.store(dz_row + ri, (-(acc + tl.sum(gk, 0)) * rs).to(dz_ptr.dtype.element_ty),
-             mask=tl.max(zk_m, 0) <= rm)
 
 
 @triton.jit(do_not_specialize=["n"])  # n == 1 would otherwise become a constexpr
@@ -468,12 +245,13 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
     """Loss (C,) and d loss / d zs (C, V), as `divergence_torch.rows_loss_and_grad`.
 
     zs: (C, V) fp32 student logits, CONSUMED: the gradient is written over its memory
-    (see `_grad_out`). zt: (C, V) fp32 teacher logits, or target_ids / target_logprobs
-    (C, K). `row_scale` (C,) multiplies each gradient row (the token weights);
-    `grad_dtype` is the gradient's dtype; `ce_out` (C,) fp32 receives each row's
-    cross-entropy when given. `stats` (live teacher only): the (student, teacher) tile
-    statistics from `logits_gemm.logits_and_stats`, which replace the first pass.
-    `grad_out`: a (C, V) tensor to write the gradient into instead of over zs.
+    (see `_grad_out`), and cached rows first get -inf at their K ids. zt: (C, V) fp32
+    teacher logits, or target_ids / target_logprobs (C, K). `row_scale` (C,) multiplies
+    each gradient row (the token weights); `grad_dtype` is the gradient's dtype;
+    `ce_out` (C,) fp32 receives each row's cross-entropy when given. `stats` (live
+    teacher only): the (student, teacher) tile statistics from
+    `logits_gemm.logits_and_stats`, which replace the first pass. `grad_out`: a (C, V)
+    tensor to write the gradient into instead of over zs.
     """
     c, v = zs.shape
     if zs.dtype != torch.float32 or zs.stride(1) != 1:

@@ -1,0 +1,71 @@
+"""Triton device functions for the row kernels: online softmax statistics, and the few
+that keep the row math exact when one logit dominates (docs/notes/kernels.md).
+
+A softmax normalizer is carried as (max, rest): the row's sum of exp is
+exp(max) * (1 + rest), so the largest entry's 1 is never added to the small terms, which
+fp32 would round away; log1p and expm1 finish it without cancellation.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _online(m, s, x):
+    """Fold a block x into a running (max, sum of exp(x - max))."""
+    m_new = tl.maximum(m, tl.max(x, 0))
+    return m_new, s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+
+
+@triton.jit
+def _logaddexp(x, y):
+    hi = tl.maximum(x, y)
+    return hi + tl.log(1.0 + tl.exp(tl.minimum(x, y) - hi))
+
+
+@triton.jit
+def _log1p(x):
+    """log(1 + x) for x >= 0, to fp32's relative accuracy where x is tiny (a series there:
+    log(1 + x) would round x away, and the GPU's log is not exact near 1)."""
+    s = x * (1.0 - x * (0.5 - x * (1.0 / 3 - x * (0.25 - x * (0.2 - x * (1.0 / 6 - x / 7))))))
+    return tl.where(x < 0.0625, s, tl.log(1.0 + x))
+
+
+@triton.jit
+def _expm1(x):
+    """exp(x) - 1 for x <= 0, to fp32's relative accuracy where x is tiny."""
+    s = x * (1.0 + x / 2 * (1.0 + x / 3 * (1.0 + x / 4 * (1.0 + x / 5 * (1.0 + x / 6 * (
+        1.0 + x / 7))))))
+    return tl.where(x > -0.0625, s, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _fold_rest(m, r, bm, br):
+    """Merge two (max, rest) pairs, each standing for exp(max) * (1 + rest): the largest
+    entry's 1 is never added to the small terms, where fp32 would round them away."""
+    up = bm > m
+    r_up = br + (1.0 + r) * tl.exp(m - bm)
+    r_keep = r + (1.0 + br) * tl.exp(bm - m)
+    r_new = tl.where(up, r_up, r_keep)
+    return tl.maximum(m, bm), tl.where(bm == float("-inf"), r, r_new)
+
+
+@triton.jit
+def _rest_of(x, offs):
+    """(max, sum of exp(x - max) over the entries but the argmax) of a block."""
+    bm, bi = tl.max(x, 0, return_indices=True)
+    return bm, tl.sum(tl.where((offs == bi) | (x == float("-inf")), 0.0, tl.exp(x - bm)), 0)
+
+
+@triton.jit
+def _track_ref(rm, ri, rg, acc, acc_v, z, g, base, offs):
+    """Running largest logit (rm at index ri, its gradient rg) and the sum acc +
+    sum(acc_v) of every other gradient entry: the largest entry's exact gradient is minus
+    that sum. Two block reductions; the lanes keep their own partial sums (acc_v)."""
+    bm, bi = tl.max(z, 0, return_indices=True)
+    hit = offs == bi
+    g_bi = tl.sum(tl.where(hit, g, 0.0), 0)
+    up = bm > rm
+    acc += tl.where(up, rg, g_bi)  # the block's best, or the one it dethrones
+    return (tl.maximum(rm, bm), tl.where(up, base + bi, ri), tl.where(up, g_bi, rg), acc,
+            acc_v + tl.where(hit, 0.0, g))
