@@ -24,11 +24,12 @@ SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, ce_weight=0.4)]
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
 
-def check(case, gap, kind, extra, target, backend, v=61, settings=SETTINGS, chunk=5):
+def check(case, gap, kind, extra, target, backend, v=61, settings=SETTINGS, chunk=5,
+          device="cpu"):
     opts = dict(TARGETS[target])
     k = opts.pop("k")
     for setting in settings:
-        x = extreme_inputs(case, v=v, gap=gap, k=k)
+        x = extreme_inputs(case, v=v, gap=gap, k=k, device=device)
         got, ref = run_both(x, lambda **a: linear_divergence(**a, backend=backend),
                             grad_scale=0.5, kind=kind, chunk_size=chunk, **opts, **setting,
                             **extra)
