@@ -14,15 +14,17 @@ the GPU, AdamW, the StepTokenCounter and the TokenThroughput callbacks) for a fe
   lora r=R+head  the same with student.lora.train_head=true (tied: the embedding trains)
 
 tokens/s is TokenThroughput's rate (Lightning's ThroughputMonitor) over the steps after
-the warm-up ones; peak is torch.cuda.max_memory_allocated over the fit, teacher included
-(its bf16 weights are listed apart). Prints a markdown table for docs/benchmarks.md and
-writes it, with the JSON, under --out.
+the warm-up ones; "weights at start" is what is allocated when the fit starts (teacher and
+student weights), peak is torch.cuda.max_memory_allocated over the fit (weights, gradients,
+optimizer state, activations; the teacher included). Prints a markdown table for
+docs/benchmarks.md and writes it, with the JSON, under --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib.util
 import json
 import sys
@@ -103,13 +105,16 @@ def run_one(mode: str, args, teacher, device) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated() / 2**30 if cuda else None  # teacher + this student
     t0 = time.perf_counter()
     trainer.fit(module, train_dataloaders=data)
     wall = time.perf_counter() - t0
     row = {"mode": mode, "trainable_params": trainable, "steps": trainer.global_step,
            "tokens_per_s": float(trainer.callback_metrics["tokens/s"]), "wall_s": wall,
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
-    del trainer, module, student
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+           "held_at_start_gib": held}
+    del trainer, module, student, rate
+    gc.collect()  # Lightning's objects hold cycles: free this row's student and optimizer
     if cuda:
         torch.cuda.empty_cache()
     return row
@@ -122,11 +127,12 @@ def table(rows: list[dict], args, teacher_gib: float | None) -> str:
             f"last {args.steps - args.warmup})")
     if teacher_gib:
         head += f", teacher weights {teacher_gib:.1f} GiB (in every peak)"
-    lines = [head, "", "| student | trainable params | peak memory | tokens/s | ms / step |",
-             "|---|---|---|---|---|"]
+    lines = [head, "", "| student | trainable params | weights at start | peak memory | "
+             "tokens/s | ms / step |", "|---|---|---|---|---|---|"]
+    gib = lambda v: f"{v:.1f} GiB" if v is not None else "n/a (CPU)"  # noqa: E731
     for r in rows:
-        peak = f"{r['peak_gib']:.1f} GiB" if r["peak_gib"] is not None else "n/a (CPU)"
-        lines.append(f"| {r['mode']} | {r['trainable_params'] / 1e6:.2f} M | {peak} | "
+        lines.append(f"| {r['mode']} | {r['trainable_params'] / 1e6:.2f} M | "
+                     f"{gib(r['held_at_start_gib'])} | {gib(r['peak_gib'])} | "
                      f"{r['tokens_per_s']:.0f} | {1e3 * tokens / r['tokens_per_s']:.0f} |")
     lines.append(f"\ncommand: python scripts/bench_lora.py {' '.join(sys.argv[1:])}")
     return "\n".join(lines)
