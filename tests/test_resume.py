@@ -8,6 +8,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
+from torch.utils.data import DataLoader, DistributedSampler
 
 from distill.data import DistillDataModule
 from distill.models import load_tokenizer
@@ -22,7 +23,18 @@ def assets(tiny_assets) -> str:
     return str(tiny_assets["student"].parent)
 
 
-def _fit(assets, tiny_assets, ckpt_dir, *, max_steps, ckpt_path=None, k=5, batch_size=4):
+class ShardedData(DistillDataModule):
+    """Shuffled by a DistributedSampler, as under DDP: the order is a function of the epoch
+    number Lightning gives the sampler."""
+
+    def train_dataloader(self):
+        sampler = DistributedSampler(self.train_set, num_replicas=1, rank=0, seed=3)
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler,
+                          collate_fn=self.collate)
+
+
+def _fit(assets, tiny_assets, ckpt_dir, *, max_steps, ckpt_path=None, k=5, batch_size=4,
+         data_cls=DistillDataModule):
     """SFT data, SGD, the demo's checkpoint settings: `last.ckpt` is only written when
     training ends (every_n_train_steps far away), as after a finished run."""
     capture = proof.GradCapture()
@@ -32,9 +44,9 @@ def _fit(assets, tiny_assets, ckpt_dir, *, max_steps, ckpt_path=None, k=5, batch
                             enable_checkpointing=True, val_check_interval=4,
                             check_val_every_n_epoch=None, limit_val_batches=1)
     tok = load_tokenizer(str(tiny_assets["student"]))
-    data = DistillDataModule(tok, train=[{"kind": "sft", "path": tiny_assets["sft_train"]}],
-                             val=[{"kind": "sft", "path": tiny_assets["sft_val"]}],
-                             batch_size=batch_size, max_length=64)
+    data = data_cls(tok, train=[{"kind": "sft", "path": tiny_assets["sft_train"]}],
+                    val=[{"kind": "sft", "path": tiny_assets["sft_val"]}],
+                    batch_size=batch_size, max_length=64)
     trainer.fit(proof.make_module(assets, "valid_tokens", lr=0.5), datamodule=data,
                 ckpt_path=ckpt_path)
     return capture.steps, trainer
@@ -60,6 +72,24 @@ def test_extending_a_finished_run_continues_its_exact_steps(assets, tiny_assets,
     assert trainer.global_step == MAX_STEPS and len(steps) == MAX_STEPS - stop
     for got, want in zip(steps, uninterrupted[stop:]):
         proof.assert_grads_match(got, {n: g.double() for n, g in want.items()}, rtol=1e-6)
+
+
+# (1, 4): extended twice, mid-epoch 0 then mid-epoch 1; (3,): at the end of epoch 0
+@pytest.mark.parametrize("stops", [(1, 4), (3,)], ids=["twice", "epoch_end"])
+def test_extending_with_an_epoch_seeded_sampler_continues_its_exact_steps(assets, tiny_assets,
+                                                                          stops, tmp_path):
+    """After an end-of-run checkpoint Lightning numbers the unfinished epoch one higher;
+    a DistributedSampler (DDP), whose order is a function of the epoch, must still replay
+    the uninterrupted run's order, in this epoch and the next."""
+    full, _ = _fit(assets, tiny_assets, tmp_path / "full", max_steps=MAX_STEPS,
+                   data_cls=ShardedData)
+    _fit(assets, tiny_assets, tmp_path / "0", max_steps=stops[0], data_cls=ShardedData)
+    for i, (start, stop) in enumerate(zip(stops, [*stops[1:], MAX_STEPS])):
+        steps, _ = _fit(assets, tiny_assets, tmp_path / str(i + 1), max_steps=stop,
+                        ckpt_path=str(tmp_path / str(i) / "last.ckpt"), data_cls=ShardedData)
+        assert len(steps) == stop - start
+        for got, want in zip(steps, full[start:stop]):
+            proof.assert_grads_match(got, {n: g.double() for n, g in want.items()}, rtol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -74,6 +74,14 @@ def _set_generators(loader, states: list[torch.Tensor]) -> None:
         g.set_state(state)
 
 
+def _set_sampler_epoch(loader, epoch: int) -> None:
+    """Reorder a DistributedSampler-like sampler (its shuffle is seed + epoch) as `epoch`."""
+    for sampler in (getattr(loader, "sampler", None),
+                    getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
+
+
 def _is_stateful(loader) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(
         getattr(loader, "load_state_dict", None))
@@ -155,6 +163,9 @@ class StepTokenCounter(L.Callback):
         self._windows: deque[_Window] = deque()  # counted, not started yet
         self._current: _Window | None = None
         self._epoch, self._consumed = 0, 0
+        # Lightning's epoch number minus the data's: +1 each time a run is extended from an
+        # end-of-run checkpoint (Lightning counts the unfinished epoch as done)
+        self._epoch_offset = 0
         self._epoch_rng: list[torch.Tensor] | None = None  # generators as the epoch began
         self._resume: dict | None = None
         self._trainer = None
@@ -200,7 +211,8 @@ class StepTokenCounter(L.Callback):
                 "window_start": w.start if w else 0,
                 "loader_state": w.loader_state if w else None,
                 "accumulate": self.accumulate,
-                "batch_size": getattr(loader, "batch_size", None) if loader else None}
+                "batch_size": getattr(loader, "batch_size", None) if loader else None,
+                "epoch_offset": self._epoch_offset}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._resume = dict(state_dict)
@@ -213,7 +225,7 @@ class StepTokenCounter(L.Callback):
             raise RuntimeError("on-policy distillation rewrites each step's window before it "
                                "runs, but Lightning prefetched some of it (a train loader "
                                "without a length): give the train loader a length")
-        return module.rollout_window(batches, self._epoch, start // self.accumulate)
+        return module.rollout_window(batches, self._data_epoch(), start // self.accumulate)
 
     # --- the lookahead ------------------------------------------------------------------
     def _loader(self):
@@ -246,6 +258,8 @@ class StepTokenCounter(L.Callback):
     def _open_epoch(self, wrapped: StepLookahead) -> _WindowIterator:
         """A later epoch, opened through the lookahead: note its generators first."""
         self._reset_epoch()
+        if self._epoch_offset:  # Lightning set the sampler's epoch to its own number
+            _set_sampler_epoch(wrapped.loader, self._data_epoch())
         self._epoch_rng = [g.get_state() for g in _generators(wrapped.loader)]
         return _WindowIterator(self, wrapped.loader, iter(wrapped.loader), 0)
 
@@ -255,24 +269,37 @@ class StepTokenCounter(L.Callback):
         self._epoch_rng = None
         loader = wrapped.loader
         resume, self._resume = self._resume, None
+        self._epoch_offset = (resume or {}).get("epoch_offset", 0)
         if resume and self._mid_epoch(resume):
+            self._epoch_offset += self._epoch - resume["epoch"]  # 1 after an end-of-run save
+            _set_sampler_epoch(loader, self._data_epoch())
             _check_unchanged(resume, self.accumulate, getattr(loader, "batch_size", None))
             if prefetched:
                 raise RuntimeError("StepTokenCounter cannot resume mid-epoch when Lightning "
                                    "prefetches (a train loader without a length)")
             return self._resume_epoch(loader, live, resume)
-        if resume and resume["rng_now"] and resume["epoch"] + 1 == self._epoch \
-                and not prefetched and not _is_stateful(loader):
+        if resume and resume["epoch"] + 1 == self._epoch and not prefetched \
+                and not _is_stateful(loader):
             # saved as its epoch ended: the next epoch draws its order from the generators
             # as they were then, not from the freshly built loader's
-            self._epoch_rng = resume["rng_now"]
-            _set_generators(loader, resume["rng_now"])
+            if resume["rng_now"]:
+                self._epoch_rng = resume["rng_now"]
+                _set_generators(loader, resume["rng_now"])
             if self._restart_index() >= self.epoch_batches:
                 # saved when training ended with its epoch: Lightning runs this epoch empty,
                 # and opening the loader would draw the next epoch's shuffle seed too early
+                self._epoch_offset += 1
                 return iter(())
-            return _WindowIterator(self, loader, iter(loader), 0)
+            if resume["rng_now"] or self._epoch_offset:
+                _set_sampler_epoch(loader, self._data_epoch())
+                return _WindowIterator(self, loader, iter(loader), 0)
+        if self._epoch_offset:
+            _set_sampler_epoch(loader, self._data_epoch())
         return _WindowIterator(self, loader, live, len(prefetched), prefetched)
+
+    def _data_epoch(self) -> int:
+        """The epoch the data are in (a sampler's shuffle seed, the rollouts' seed)."""
+        return self._epoch - self._epoch_offset
 
     def _mid_epoch(self, resume: dict) -> bool:
         """Whether the checkpoint stopped inside an epoch that this run must finish."""
