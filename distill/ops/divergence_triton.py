@@ -32,8 +32,10 @@ from distill.ops.triton_math import _logaddexp, _online, _track_ref
 
 _KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
 # (BLOCK, num_warps) per row program, measured on an H200 at V=128256 (docs/notes/kernels.md);
-# scripts/bench_loss.py --tune re-measures them.
-CONFIG = {"live": (4096, 8), "sparse": (8192, 8)}
+# scripts/bench_loss.py --tune re-measures them. The cached kernel's measured 8192 is halved
+# since the largest-logit bookkeeping (issue 10): at 8192 it needs ~190-220 registers a
+# thread (1 program per SM), at 4096 ~105-117, the 2 programs the measured config had.
+CONFIG = {"live": (4096, 8), "sparse": (4096, 8)}
 MAX_K = 16384  # top-k ids held in registers by one program
 
 
@@ -145,7 +147,6 @@ def _live_fwd_kernel(
             cq += tl.sum(tq, 0)
         c = (1.0 - beta) * cq
     rm, ri, rg, acc = zero + ninf, tl.zeros((), tl.int32), zero, zero
-    acc_v = tl.zeros((BLOCK,), tl.float32)
     if NEED_GRAD or KIND != 2:
         # last pass: the KL terms and the gradient; backwards, except after JSD's pass 2
         for i in range(0, nb):
@@ -173,14 +174,13 @@ def _live_fwd_kernel(
                         sm = tl.exp(zs - l1)
                     g += ce_weight * (sm - tl.where(idx == label, 1.0, 0.0))
                 g = tl.where(mask, g, 0.0)
-                rm, ri, rg, acc, acc_v = _track_ref(rm, ri, rg, acc, acc_v, zs, g, base, offs)
+                rm, ri, rg, acc = _track_ref(rm, ri, rg, acc, zs, g, base, offs)
                 if HAS_SCALE:
                     g = g * rs
                 if ALIAS:
                     tl.debug_barrier()  # the store may land on logits another warp reads
                 tl.store(dz_row + idx, g.to(dz_ptr.dtype.element_ty), mask=mask)
     if NEED_GRAD:
-        acc += tl.sum(acc_v, 0)
         # the largest logit's exact gradient (~exp(-gap)) is minus the others' sum; its
         # own q_* (G_* - <q, G>) is a difference of nearly equal numbers
         tl.debug_barrier()

@@ -153,7 +153,6 @@ def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, labe
     lt_safe = tl.where(lt == ninf, 0.0, lt)
     n_label_in_k = tl.sum(tl.where(kmask & (ids == label), 1, 0), 0)
     rm, ri, rg, acc = zero + ninf, tl.zeros((), tl.int32), zero, zero
-    acc_v = tl.zeros((BLOCK,), tl.float32)
     for i in range(0, nb):
         base = (nb - 1 - i) * BLOCK
         idx = base + offs
@@ -164,13 +163,12 @@ def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, labe
             onehot = tl.where(idx == label, 1.0, 0.0) * (n_label_in_k == 0)  # else the ids
             g += ce_weight * (tl.exp(zs - l1) - onehot)
         g = tl.where(mask, g, 0.0)
-        rm, ri, rg, acc, acc_v = _track_ref(rm, ri, rg, acc, acc_v, zs, g, base, offs)
+        rm, ri, rg, acc = _track_ref(rm, ri, rg, acc, zs, g, base, offs)
         if HAS_SCALE:
             g = g * rs
         if ALIAS:
             tl.debug_barrier()  # the store may land on logits another warp reads
         tl.store(dz_row + idx, g.to(dz_ptr.dtype.element_ty), mask=mask)
-    acc += tl.sum(acc_v, 0)
     gk = gf * da_k
     if CE_GRAD:
         gk += ce_weight * (tl.exp(zk - l1) - tl.where(ids == label, 1.0, 0.0))

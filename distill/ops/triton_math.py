@@ -58,14 +58,14 @@ def _rest_of(x, offs):
 
 
 @triton.jit
-def _track_ref(rm, ri, rg, acc, acc_v, z, g, base, offs):
-    """Running largest logit (rm at index ri, its gradient rg) and the sum acc +
-    sum(acc_v) of every other gradient entry: the largest entry's exact gradient is minus
-    that sum. Two block reductions; the lanes keep their own partial sums (acc_v)."""
+def _track_ref(rm, ri, rg, acc, z, g, base, offs):
+    """Running largest logit (rm at index ri, its gradient rg) and the sum `acc` of every
+    other gradient entry: the largest entry's exact gradient is minus that sum. Three
+    block reductions; a per-lane partial sum instead of the third costs 16-32 registers a
+    thread, which halves the programs an SM holds (sm_90, ptxas)."""
     bm, bi = tl.max(z, 0, return_indices=True)
     hit = offs == bi
     g_bi = tl.sum(tl.where(hit, g, 0.0), 0)
     up = bm > rm
-    acc += tl.where(up, rg, g_bi)  # the block's best, or the one it dethrones
-    return (tl.maximum(rm, bm), tl.where(up, base + bi, ri), tl.where(up, g_bi, rg), acc,
-            acc_v + tl.where(hit, 0.0, g))
+    acc += tl.sum(tl.where(hit, 0.0, g), 0) + tl.where(up, rg, g_bi)  # rg: the dethroned
+    return tl.maximum(rm, bm), tl.where(up, base + bi, ri), tl.where(up, g_bi, rg), acc
