@@ -166,6 +166,7 @@ RULES: dict[str, Rule] = {
     "loss.fp32_weight_grad": boolean(),
     "loss.backend": choice(("auto", "torch", "triton")),
     "loss.on_policy.fraction": number(0, strict=False, hi=1, what=" (0: teacher-forced only)"),
+    "loss.on_policy.teacher_fraction": number(0, strict=False, hi=1),
     "loss.on_policy.temperature": number(0, strict=False, what=" (0: greedy)"),
     "loss.on_policy.top_p": number(0, strict=True, hi=1),
     "loss.on_policy.max_new_tokens": integer(1),

@@ -104,7 +104,7 @@ class DistillModule(L.LightningModule):
         with self.trainer.precision_plugin.forward_context():  # the training autocast
             out, stats = rollout(batches, self.sampler, self.student, self.on_policy, seed,
                                  self.sampler.pad_token_id, self.sampler.eos_token_ids,
-                                 self.loss_fn.spec.ignore_index)
+                                 self.loss_fn.spec.ignore_index, teacher=self.teacher.model)
         self._rollout_stats, self._rollout_end = stats, time.perf_counter()
         return out
 
@@ -126,7 +126,10 @@ class DistillModule(L.LightningModule):
         if sampled is None or not bool(sampled.any()):
             return self.loss_fn(hidden, weight, weights=weights, **common)
         on = sampled[:, None].expand(-1, batch["labels"].shape[1] - 1).flatten()
-        self._score_samples(targets, labels, on)
+        own = batch.get("by_teacher")
+        own = on if own is None else on & ~own[:, None].expand_as(
+            batch["labels"][:, 1:]).flatten()
+        self._score_samples(targets, labels, own)
         if not self.loss_fn.spec.ce_weight:
             return self.loss_fn(hidden, weight, weights=weights, **common)
         loss_d, parts_d = self.loss_fn(hidden, weight, weights=weights * ~on, **common)
@@ -136,7 +139,7 @@ class DistillModule(L.LightningModule):
 
     @torch.no_grad()
     def _score_samples(self, targets: dict, labels: torch.Tensor, on: torch.Tensor) -> None:
-        """Sum of the teacher's log-probs of the sampled tokens, and their count (logs)."""
+        """Sum of the teacher's log-probs of the student's sampled tokens, and their count."""
         from distill.losses import linear_divergence
 
         mask = on & (labels != self.loss_fn.spec.ignore_index)

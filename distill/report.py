@@ -48,6 +48,17 @@ def evaluate_models(cfg, tokenizer, models: dict) -> dict:
     return out
 
 
+def reference(cfg) -> dict | None:
+    """`evaluate.reference`: a baseline measured once and recorded with its command (e.g. the
+    demo's CE-only arm), printed beside the distilled student; not for the baseline's own run
+    (loss.divergence_weight=0)."""
+    ev = cfg.get("evaluate") or {}
+    ref = ev.get("reference")
+    if not ref or float(cfg.loss.get("divergence_weight", 1.0)) == 0.0:
+        return None
+    return {k: (dict(v) if hasattr(v, "items") else v) for k, v in ref.items()}
+
+
 def _accuracy_line(name: str, acc: dict) -> str:
     per_task = "  ".join(f"{k} {100 * v:.0f}%" for k, v in acc.get("per_task", {}).items())
     return f"    {name:<18} {100 * acc['overall']:5.1f}%   {per_task}"
@@ -69,5 +80,9 @@ def print_summary(summary: dict) -> None:
     if summary["accuracy"]:
         lines.append("  demo-task accuracy (exact match, held-out test split):")
         lines += [_accuracy_line(name, acc) for name, acc in summary["accuracy"].items()]
+    ref = summary.get("reference")
+    if ref:
+        lines.append(_accuracy_line(ref["name"], ref) + f"   ({ref.get('note', 'recorded')})")
+        lines.append(f"      {ref['command']}")
     lines.append("=" * 60)
     print("\n".join(lines))

@@ -37,11 +37,15 @@ class OnPolicy:
     """`loss.on_policy`: the share of rows the student rewrites, and how it samples.
 
     `fraction` (GKD's lambda) is the chance that a row with labels is replaced by a
-    student sample; 0 is plain teacher-forced distillation. Rows without any label (prompt
-    only) have nothing to teacher-force, so with fraction > 0 they are always sampled.
+    sample; 0 is plain teacher-forced distillation. Rows without any label (prompt only)
+    have nothing to teacher-force, so with fraction > 0 they are always sampled.
+    `teacher_fraction` is the chance that a sampled row's completion is written by the
+    teacher instead of the student (GKD's mixed data; 1 is sequence-level KD on the
+    teacher's answers, 0 is purely on-policy). Either way the teacher scores every token.
     """
 
     fraction: float = 0.0
+    teacher_fraction: float = 0.0
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     max_new_tokens: int = 32
@@ -57,6 +61,7 @@ class OnPolicy:
         out = cls(**cfg)
         checks = [
             ("fraction", 0 <= out.fraction <= 1, "a number in [0, 1]"),
+            ("teacher_fraction", 0 <= out.teacher_fraction <= 1, "a number in [0, 1]"),
             ("temperature", out.temperature >= 0, ">= 0 (0 samples greedily)"),
             ("top_p", 0 < out.top_p <= 1, "in (0, 1]"),
             ("max_new_tokens", isinstance(out.max_new_tokens, int) and out.max_new_tokens >= 1,
@@ -207,27 +212,38 @@ def _rows(batches: list[dict]) -> list[tuple[int, list[int], list[int]]]:
 
 
 def rollout(batches: list[dict], sampler, model, cfg: OnPolicy, seed: int, pad_id: int,
-            eos_ids: list[int], ignore_index: int = IGNORE_INDEX,
+            eos_ids: list[int], ignore_index: int = IGNORE_INDEX, teacher=None,
             ) -> tuple[list[dict], RolloutStats]:
-    """The window's micro-batches with the chosen rows rewritten by the student.
+    """The window's micro-batches with the chosen rows rewritten by the student (`model`),
+    or by `teacher` for a `cfg.teacher_fraction` share of them.
 
-    One sampler call covers the whole window, so the completions do not depend on how the
-    window is split into micro-batches. Each batch gains `sampled` (B,) bool.
+    One sampler call per model covers the whole window, so the completions do not depend on
+    how the window is split into micro-batches. Each batch gains `sampled` (B,) bool.
     """
     start = time.perf_counter()
     rows = _rows(batches)
     plens = [prompt_length(lab, ignore_index) for _, _, lab in rows]
-    draw = torch.rand(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    g = torch.Generator().manual_seed(seed)
+    draw, who = torch.rand(2, len(rows), generator=g).tolist()
     chosen = [k for k, (_, ids, _) in enumerate(rows)
               if plens[k] == len(ids) or draw[k] < cfg.fraction]
+    by_teacher = [who[k] < cfg.teacher_fraction for k in chosen]
+    if any(by_teacher) and teacher is None:
+        raise ValueError("loss.on_policy.teacher_fraction > 0 needs the teacher model")
     prompts = [rows[k][1][: plens[k]] for k in chosen]
-    completions = sampler(model, prompts, seed=seed) if chosen else []
+    completions: list = [None] * len(chosen)
+    for src, model_ in ((False, model), (True, teacher)):
+        idx = [i for i, t in enumerate(by_teacher) if t == src]
+        if idx:
+            done = sampler(model_, [prompts[i] for i in idx], seed=seed + src)
+            for i, c in zip(idx, done):
+                completions[i] = c
     stats = RolloutStats(rows=len(chosen), lengths=[len(c) for c in completions])
     stats.tokens = sum(stats.lengths)
     stats.cut = sum(not c or c[-1] not in eos_ids for c in completions)
-    built = [(ids, lab, False) for _, ids, lab in rows]
-    for k, p, c in zip(chosen, prompts, completions):
-        built[k] = (p + list(c), [ignore_index] * len(p) + list(c), True)
+    built = [(ids, lab, 0) for _, ids, lab in rows]  # 0: dataset, 1: student, 2: teacher
+    for k, p, c, t in zip(chosen, prompts, completions, by_teacher):
+        built[k] = (p + list(c), [ignore_index] * len(p) + list(c), 2 if t else 1)
     out = []
     for b, batch in enumerate(batches):
         out.append(_collate(batch, [x for x, r in zip(built, rows) if r[0] == b], pad_id,
@@ -237,12 +253,14 @@ def rollout(batches: list[dict], sampler, model, cfg: OnPolicy, seed: int, pad_i
 
 
 def _collate(batch: dict, built: list, pad_id: int, ignore_index: int) -> dict:
-    """Right-padded tensors from (ids, labels, sampled) rows; other keys kept as they are."""
+    """Right-padded tensors from (ids, labels, source) rows; other keys kept as they are.
+    `sampled` (B,) marks generated rows, `by_teacher` (B,) those the teacher wrote."""
     width = max(len(ids) for ids, _, _ in built)
     ids = torch.tensor([r + [pad_id] * (width - len(r)) for r, _, _ in built])
     labels = torch.tensor([lab + [ignore_index] * (width - len(lab)) for _, lab, _ in built])
     attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _, _ in built])
     out = {k: v for k, v in batch.items() if k not in WIDTH_KEYS}
-    out.update(input_ids=ids, attention_mask=attn, labels=labels,
-               sampled=torch.tensor([s for _, _, s in built], dtype=torch.bool))
+    source = torch.tensor([s for _, _, s in built])
+    out.update(input_ids=ids, attention_mask=attn, labels=labels, sampled=source > 0,
+               by_teacher=source == 2)
     return out

@@ -22,7 +22,7 @@ from distill.loggers import build_loggers, close_loggers
 from distill.models import DEMO_ASSETS, check_head_rows, check_same_tokenizer, load_tokenizer
 from distill.module import DistillModule
 from distill.paths import register_resolvers
-from distill.report import evaluate_models, print_summary, trained_student
+from distill.report import evaluate_models, print_summary, reference, trained_student
 from distill.resume import resolve_ckpt_path
 from distill.rollout import check_config as check_on_policy
 
@@ -86,6 +86,7 @@ def train(cfg: DictConfig) -> dict:
         "student_dir": str(export.saved_to) if export and export.saved_to else None,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "accuracy": {**before, **after},
+        "reference": reference(cfg) if after else None,
         "global_step": trainer.global_step,
         "wall_s": time.perf_counter() - t0,
     }

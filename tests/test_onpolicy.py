@@ -231,3 +231,46 @@ def test_ce_only_arm_never_samples_nor_runs_the_teacher(tiny_assets):
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
                                            batch["labels"][:, 1:].flatten(), reduction="sum")
     torch.testing.assert_close(loss.double(), ce, rtol=1e-5, atol=1e-6)
+
+
+def test_teacher_fraction_lets_the_teacher_write_some_samples():
+    class BySource(TableSampler):
+        def __call__(self, model, prompts, *, seed):
+            self.calls.append((model, prompts, seed))
+            return [[40 if model == "teacher" else 41, EOS] for _ in prompts]
+
+    window = [{"input_ids": torch.tensor([[1, 6, 6, 2]] * 8),
+               "attention_mask": torch.ones(8, 4, dtype=torch.long),
+               "labels": torch.full((8, 4), -100)}]
+    for share in (0.0, 0.5, 1.0):
+        sampler = BySource()
+        cfg = OnPolicy(fraction=1.0, teacher_fraction=share)
+        out, _ = rollout(window, sampler, "student", cfg, seed=5, pad_id=0, eos_ids=[EOS],
+                         teacher="teacher")
+        who = torch.rand(2, 8, generator=torch.Generator().manual_seed(5))[1] < share
+        assert torch.equal(out[0]["by_teacher"], who) and out[0]["sampled"].all()
+        assert out[0]["input_ids"][:, 4].tolist() == [40 if w else 41 for w in who]
+        assert [c[0] for c in sampler.calls] == [m for m, n in (("student", (~who).sum()),
+                                                                ("teacher", who.sum())) if n]
+    with pytest.raises(ValueError, match="teacher_fraction > 0 needs the teacher model"):
+        rollout(window, BySource(), "student", OnPolicy(fraction=1.0, teacher_fraction=1.0),
+                seed=5, pad_id=0, eos_ids=[EOS])
+
+
+@pytest.mark.gpu
+def test_on_policy_trains_on_the_gpu_under_bf16_autocast(compose_cfg, tmp_path):
+    """The rollout runs under the training autocast on the GPU; the step is finite and logs
+    the rollout/train split."""
+    import pandas as pd
+
+    from distill.train import train
+
+    out = tmp_path / "gpu"
+    summary = train(compose_cfg("+experiment=onpolicy_rkl", "trainer=gpu",
+                                "trainer.max_steps=4", out=out))
+    assert summary["global_step"] == 4
+    df = pd.read_csv(next(out.glob("logs/version_*/metrics.csv")))
+    for key in ("train/loss", "time/rollout_s", "time/train_s", "rollout/mean_length",
+                "rollout/cut_fraction", "rollout/teacher_logprob"):
+        values = torch.tensor(df[key].dropna().tolist())
+        assert len(values) == 4 and torch.isfinite(values).all(), key
