@@ -173,6 +173,22 @@ class DistillModule(L.LightningModule):
         warn_if_biased(self.policy, k, w)
         rank_zero_info(f"normalization: {self.policy} over {k} micro-batch(es) x {w} rank(s) "
                        "per optimizer step")
+        self._check_rollout_setup()
+
+    def _check_rollout_setup(self) -> None:
+        if not self.rolls_out:
+            return
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if isinstance(self.trainer.strategy, FSDPStrategy):
+            raise ValueError("on-policy sampling runs the student's generate, which needs "
+                             "its whole weights on each rank; FSDP shards them: use "
+                             "strategy=ddp (trainer=ddp) or loss.on_policy.fraction=0")
+        if not any(isinstance(cb, StepTokenCounter) for cb in self.trainer.callbacks):
+            raise RuntimeError("on-policy distillation samples each step's window in the "
+                               "StepTokenCounter callback: add distill.callbacks."
+                               "StepTokenCounter to the trainer's callbacks "
+                               "(callbacks=default has it)")
 
     def training_step(self, batch: dict, batch_idx: int):
         masks = batch_masks(batch, self.loss_fn.spec.ignore_index)

@@ -275,3 +275,15 @@ def test_on_policy_trains_on_the_gpu_under_bf16_autocast(compose_cfg, tmp_path):
                 "rollout/cut_fraction", "rollout/teacher_logprob"):
         values = torch.tensor(df[key].dropna().tolist())
         assert len(values) == 4 and torch.isfinite(values).all(), key
+
+
+def test_on_policy_without_the_counter_is_an_error(tiny_assets):
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    module = _module(tiny_assets, LiveTeacher(str(tiny_assets["teacher"])),
+                     on_policy={"fraction": 1.0})
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(RuntimeError, match="samples each step's window in the StepTokenCounter"):
+        trainer.fit(module, train_dataloaders=DataLoader(_window()[:1], batch_size=None))
