@@ -3,7 +3,7 @@ PYTHON ?= python3
 # CPU machines: a local CPU build of torch, installed before the package so that pip does
 # not pull a multi-GB CUDA build. A machine that already has torch (a GPU box) keeps it.
 TORCH_CPU ?= torch==2.13.0
-EXPERIMENT ?= sft_rkl
+EXPERIMENT ?= onpolicy_demo
 BENCH_OUT ?= bench_out
 
 .PHONY: help install demo test test-fast lint format bench clean
@@ -15,7 +15,7 @@ install:  ## install torch (CPU build if none) and the package with its dev, log
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q $(TORCH_CPU)
 	$(PYTHON) -m pip install -q -e ".[dev,loggers,lora]"
 
-demo: install  ## distil the bundled demo teacher into a fresh student on CPU (< 5 min)
+demo: install  ## distil the bundled demo teacher into a fresh student on CPU (docs/notes/demo.md)
 	$(PYTHON) -m distill.train +experiment=$(EXPERIMENT)
 
 test: install  ## run the test suite (GPU tests skip without CUDA)

@@ -46,7 +46,8 @@ LOSS_KEYS = ("kind", "beta", "temperature", "ce_weight", "temperature_squared",
 
 class DistillModule(L.LightningModule):
     def __init__(self, student, teacher, loss: dict, optimizer, scheduler=None,
-                 vocab_size: int | None = None, ignore_index: int = -100):
+                 vocab_size: int | None = None, ignore_index: int = -100,
+                 eos_token_id: int | None = None):
         super().__init__()
         self.save_hyperparameters(ignore=["student", "teacher", "optimizer", "scheduler"])
         self.student = student
@@ -58,7 +59,7 @@ class DistillModule(L.LightningModule):
         )
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.vocab_size = vocab_size
-        self._setup_on_policy(loss, teacher, ignore_index)
+        self._setup_on_policy(loss, teacher, ignore_index, eos_token_id)
         self.step_counts: StepCounts | None = None  # set by StepTokenCounter
         # sums kept on the device (no host sync per micro-batch): loss, divergence, ce over
         # the step; divergence, ce, teacher ce, tokens over the validation set
@@ -67,7 +68,7 @@ class DistillModule(L.LightningModule):
         self._teacher_val_ce: float | None = None
 
     # --- on-policy rollouts -----------------------------------------------------------
-    def _setup_on_policy(self, loss: dict, teacher, ignore_index: int) -> None:
+    def _setup_on_policy(self, loss: dict, teacher, ignore_index: int, eos_token_id) -> None:
         self.on_policy = OnPolicy.from_config(loss.get("on_policy"))
         # CE-only (divergence_weight=0): the dataset's labels alone, no sample, no teacher
         self.ce_only = float(loss.get("divergence_weight", 1.0)) == 0.0
@@ -85,12 +86,17 @@ class DistillModule(L.LightningModule):
             ignore_index=ignore_index,
             **{**{k: loss[k] for k in LOSS_KEYS if k in loss}, "ce_weight": 0.0})
         cfg = self.student.config
-        eos = cfg.eos_token_id if cfg.eos_token_id is not None else \
-            getattr(self.student.generation_config, "eos_token_id", None)
-        if eos is None:
-            raise ValueError("on-policy sampling needs the student's eos_token_id (its config "
-                             "has none): set it in the student's config.json")
-        eos = [eos] if isinstance(eos, int) else list(eos)
+        # a sample stops at any of the model's stop tokens (chat models list their
+        # end-of-turn token in generation_config) or the tokenizer's eos
+        eos = []
+        for found in (getattr(self.student.generation_config, "eos_token_id", None),
+                      cfg.eos_token_id, eos_token_id):
+            for t in [found] if isinstance(found, int) else list(found or []):
+                eos += [t] if t not in eos else []
+        if not eos:
+            raise ValueError("on-policy sampling needs a stop token: neither the student's "
+                             "config nor its generation_config nor the tokenizer has an "
+                             "eos_token_id; set one in the student's config.json")
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else eos[0]
         self.sampler = HFSampler(self.on_policy.temperature, self.on_policy.top_p,
                                  self.on_policy.max_new_tokens, eos, pad, self.vocab_size)

@@ -67,7 +67,7 @@ def train(cfg: DictConfig) -> dict:
     module = DistillModule(student, teacher, loss=OmegaConf.to_container(cfg.loss, resolve=True),
                            optimizer=instantiate(cfg.optimizer),
                            scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
-                           vocab_size=vocab)
+                           vocab_size=vocab, eos_token_id=tokenizer.eos_token_id)
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
     for cb in callbacks:
         if hasattr(cb, "tokenizer") and cb.tokenizer is None:
