@@ -124,3 +124,25 @@ def test_load_examples_reads_jsonl_with_a_limit(tmp_path):
 def test_no_examples_is_an_error(tokenizer):
     with pytest.raises(ValueError, match="at least one example"):
         task_accuracy(ScriptedModel(tokenizer, {}), tokenizer, [])
+
+
+def test_summary_prints_the_recorded_reference_beside_the_student(capsys):
+    from omegaconf import OmegaConf
+
+    from distill.report import print_summary, reference
+
+    ref = {"name": "CE-only", "overall": 0.125, "per_task": {"reversal": 0.05, "sorting": 0.2},
+           "note": "mean of 3 seeds", "command": "python -m distill.train +experiment=x "
+           "loss.divergence_weight=0 loss.ce_weight=1"}
+    cfg = OmegaConf.create({"loss": {"divergence_weight": 1.0}, "evaluate": {"reference": ref}})
+    summary = {"student_dir": None, "global_step": 3, "wall_s": 1.0, "metrics": {},
+               "accuracy": {"distilled student": {"overall": 0.5, "per_task": {}}},
+               "reference": reference(cfg)}
+    print_summary(summary)
+    out = capsys.readouterr().out
+    assert " 12.5%   reversal 5%  sorting 20%   (mean of 3 seeds)" in out
+    assert "loss.divergence_weight=0 loss.ce_weight=1" in out
+    assert out.index("distilled student") < out.index("CE-only")
+    # the baseline's own run does not print itself as a reference
+    ce_cfg = OmegaConf.create({"loss": {"divergence_weight": 0.0}, "evaluate": {"reference": ref}})
+    assert reference(ce_cfg) is None
