@@ -126,6 +126,7 @@ RULES: dict[str, Rule] = {
     "trainer.precision": choice(PRECISIONS),
     "trainer.gradient_clip_val": Rule(lambda v: v is None or number(0, strict=False).check(v),
                                       "a finite number >= 0 or null"),
+    "trainer.gradient_clip_algorithm": choice(("norm", "value"), null=True),
     "trainer.val_check_interval": Rule(_val_interval, "an integer >= 1 (steps), a fraction "
                                        "of an epoch in (0, 1], or null"),
     "trainer.check_val_every_n_epoch": integer(1, null=True),
@@ -217,6 +218,7 @@ RULES: dict[str, Rule] = {
     "evaluate.path": text(),
     "evaluate.max_examples": integer(1, null=True),
     "evaluate.max_new_tokens": integer(1),
+    "logger.wandb.offline": boolean(),
     "callbacks.checkpoint.every_n_train_steps": integer(0, null=True),
     "callbacks.checkpoint.save_top_k": integer(-1),
     "callbacks.progress.refresh_rate": integer(0),

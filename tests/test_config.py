@@ -78,6 +78,9 @@ BAD = [
     ("trainer.devices=[]", "trainer.devices=[]: must be 'auto', an integer >= 1 or -1"),
     ("trainer.num_nodes=0", "trainer.num_nodes=0: must be an integer >= 1"),
     ("trainer.max_epochs=0", "trainer.max_epochs=0: must be an integer >= 1 or -1 or null"),
+    ("trainer.gradient_clip_algorithm=l2", "trainer.gradient_clip_algorithm='l2': must be one of "
+     "norm, value, or null"),
+    ("logger={wandb:{offline:no}}", "logger.wandb.offline='no': must be true or false"),
     ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0: must be an integer >= 1"),
     ("optimizer.lr=0", "optimizer.lr=0: must be a finite number > 0"),
     ("optimizer.lr=1e-3x", "optimizer.lr='1e-3x': must be a finite number > 0"),
