@@ -13,6 +13,7 @@ import hydra
 import lightning as L
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate as hydra_instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from distill.config import validate
@@ -73,7 +74,12 @@ def train(cfg: DictConfig) -> dict:
         if hasattr(cb, "tokenizer") and cb.tokenizer is None:
             cb.tokenizer = tokenizer
     logger = build_loggers(cfg.get("logger"))  # logger=csv, =[csv,tensorboard], =many
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
+    # callbacks.checkpoint=null means no checkpoints: Lightning would otherwise add its own
+    # ModelCheckpoint (a full fp32 + optimizer-state copy of the student at every validation)
+    extra = {}
+    if "enable_checkpointing" not in cfg.trainer:
+        extra["enable_checkpointing"] = any(isinstance(cb, ModelCheckpoint) for cb in callbacks)
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, **extra)
 
     before = evaluate_models(cfg, tokenizer, {"teacher": teacher, "untrained student": student})
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), callbacks)

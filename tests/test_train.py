@@ -80,3 +80,19 @@ def test_resume_continues_to_max_steps(compose_cfg, tmp_path):
     summary = train(compose_cfg("+experiment=sft_rkl", "trainer.max_steps=6", *cb,
                                 f"ckpt_path={ckpt}", out=out))
     assert summary["global_step"] == 6
+
+
+def test_no_checkpoint_callback_writes_no_checkpoint(compose_cfg, tmp_path):
+    """callbacks.checkpoint=null: Lightning must not add its default ModelCheckpoint (at real
+    scale it writes the fp32 student and its optimizer state at every validation)."""
+    out = tmp_path / "nockpt"
+    summary = train(compose_cfg("+experiment=sft_fkl", "trainer.max_steps=2",
+                                "trainer.val_check_interval=1", "callbacks.checkpoint=null",
+                                out=out))
+    assert summary["global_step"] == 2 and "val/loss" in summary["metrics"]
+    assert not list(out.rglob("*.ckpt"))
+    # and with the callback, the same run writes its checkpoint (the check above can fail)
+    out2 = tmp_path / "ckpt"
+    train(compose_cfg("+experiment=sft_fkl", "trainer.max_steps=2",
+                      "trainer.val_check_interval=1", out=out2))
+    assert list(out2.rglob("*.ckpt"))
