@@ -107,7 +107,20 @@ class DistillFSDP(FSDPStrategy):
                 model_state_dict=model_state, optimizer_key=key,
                 storage_reader=FileSystemReader(path))
             optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(
-                optim_state_dict=state[key], model=self.model, optim=optimizer))
+                optim_state_dict=with_state_entry(state[key]), model=self.model,
+                optim=optimizer))
+
+
+def with_state_entry(optim_state: dict) -> dict:
+    """The optimizer state read back from a sharded checkpoint, with its "state" entry.
+
+    torch.distributed.checkpoint stores only the leaves of the nested dict it saves, so an
+    empty mapping leaves no trace: an optimizer that keeps no per-parameter state (SGD without
+    momentum: `state == {}`) is saved as its param_groups alone, and
+    `load_sharded_optimizer_state_dict` rebuilds the dict from the stored leaves without a
+    "state" key, which `FSDP.optim_state_dict_to_load` refuses. An absent entry can only have
+    been an empty one, so it is put back as such; a saved state (AdamW) is left untouched."""
+    return {"state": {}, **optim_state}
 
 
 def fsdp_units(module) -> tuple[set[type], list[torch.nn.Parameter]]:

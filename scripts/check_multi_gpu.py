@@ -9,8 +9,9 @@
 the gradient of the one optimizer step, read as (w0 - w1) / lr after one SGD step, against the
 float64 one-pass gradient of the step's four micro-batches) under DDP and DistillFSDP; then
 under DistillFSDP a sharded checkpoint after 2 steps, resumed to 4, whose exported HF
-student loads and equals the uninterrupted run's. `throughput`: Llama-3.2-1B + 8B shapes,
-random weights, bf16-mixed, 16 x 2048 tokens per GPU per micro-batch, Lightning's loop;
+student loads and equals the uninterrupted run's, once with plain SGD (no optimizer state)
+and once with AdamW (`checks --only resume`: just these two). `throughput`: Llama-3.2-1B +
+8B shapes, random weights, bf16-mixed, 16 x 2048 tokens per GPU per micro-batch, Lightning's loop;
 tokens/s over the steps after the warm-up. Prints markdown rows.
 """
 
@@ -46,9 +47,13 @@ def say(*args):
         print(*args, flush=True)
 
 
-def fresh_module(assets: str, lr: float):
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+
+
+def fresh_module(assets: str, lr: float, optimizer: str = "sgd"):
     """A module with its own copies of the tiny student and teacher: FSDP rewraps the
-    modules it shards in place, so no two fits may share one."""
+    modules it shards in place, so no two fits may share one. Plain SGD by default: the
+    equality check reads the gradient off one SGD step."""
     import copy
     import functools
 
@@ -58,7 +63,7 @@ def fresh_module(assets: str, lr: float):
     student, teacher = proof.models(assets)
     return DistillModule(copy.deepcopy(student), copy.deepcopy(teacher),
                          loss={**proof.LOSS, "normalization": "valid_tokens"},
-                         optimizer=functools.partial(torch.optim.SGD, lr=lr),
+                         optimizer=functools.partial(OPTIMIZERS[optimizer], lr=lr),
                          vocab_size=student.config.vocab_size)
 
 
@@ -94,7 +99,7 @@ def equality(assets: str, name: str) -> float:
     return worst
 
 
-def resume(assets: str, tmp: Path, name: str) -> float:
+def resume(assets: str, tmp: Path, name: str, optimizer: str) -> float:
     from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM
 
@@ -102,7 +107,7 @@ def resume(assets: str, tmp: Path, name: str) -> float:
     from tests.callbacks import proof
 
     def fit(steps, out, ckpt=None, save=False):
-        module = fresh_module(assets, lr=0.05)
+        module = fresh_module(assets, lr=0.05 if optimizer == "sgd" else 1e-3, optimizer=optimizer)
         vocab = module.student.config.vocab_size
         count = Count()
         cbs = [StepTokenCounter(), ExportStudent(str(out / "export")), count]
@@ -124,7 +129,8 @@ def resume(assets: str, tmp: Path, name: str) -> float:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    torch.distributed.barrier()  # initialized by the equality fits
+    init_process_group()
+    torch.distributed.barrier()
     whole, _ = fit(4, tmp / "whole")
     first, _ = fit(2, tmp / "first", save=True)
     last = tmp / "first" / "ckpt" / "last.ckpt"
@@ -134,6 +140,7 @@ def resume(assets: str, tmp: Path, name: str) -> float:
         return AutoModelForCausalLM.from_pretrained(path).state_dict()
 
     a, b, c = weights(whole), weights(resumed), weights(first)
+    name = f"{name} {optimizer}"
     say(f"| {name}: checkpoint {last.name} is a folder of shards | {last.is_dir()} | |")
     say(f"| {name}: micro-batches the resumed run trained (steps 3-4) | {loaded} | "
         f"{'PASS' if loaded == 2 else 'FAIL'} (2) |")
@@ -161,7 +168,17 @@ class Count(L.Callback):
         self.batches += 1
 
 
-def checks() -> None:
+def init_process_group() -> None:
+    """The fits initialize it; `--only resume` needs it before its first fit (Lightning
+    then keeps this one)."""
+    if torch.distributed.is_initialized():
+        return
+    if ACCELERATOR == "gpu":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    torch.distributed.init_process_group("nccl" if ACCELERATOR == "gpu" else "gloo")
+
+
+def checks(only: str | None = None) -> None:
     from tests.fixtures import make_tiny_assets
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -169,7 +186,8 @@ def checks() -> None:
     assets = str(tmp / "assets")
     make_tiny_assets(Path(assets))  # seeded: the same models on every rank
     say("| check | measured | verdict |\n|---|---|---|")
-    for name in ("ddp", "fsdp") if ACCELERATOR == "gpu" else ("ddp",):
+    names = ("ddp", "fsdp") if ACCELERATOR == "gpu" else ("ddp",)
+    for name in names if only is None else ():
         err = attempt(f"{name} equality", equality, assets, name)
         if err is None:
             continue
@@ -177,12 +195,14 @@ def checks() -> None:
             f"grad) | {err:.2e} | {'PASS' if err < 1e-3 else 'FAIL'} (< 1e-3) |")
     # one folder for all ranks: each writes its shard of the checkpoint there
     name = "fsdp" if ACCELERATOR == "gpu" else "ddp"
-    diff = attempt(f"{name} resume", resume,
-                   assets, Path(os.environ.get("CHECK_DIR", "/tmp/distill_multi_gpu_check")), name)
-    if diff is None:
-        return
-    say(f"| {name}: checkpoint at step 2, resumed to 4; exported student vs "
-        f"uninterrupted, max abs diff | {diff:.2e} | {'PASS' if diff < 1e-5 else 'FAIL'} |")
+    root = Path(os.environ.get("CHECK_DIR", "/tmp/distill_multi_gpu_check"))
+    for optimizer in OPTIMIZERS:  # SGD keeps no optimizer state, AdamW does
+        diff = attempt(f"{name} {optimizer} resume", resume, assets, root / optimizer, name,
+                       optimizer)
+        if diff is None:
+            continue
+        say(f"| {name} {optimizer}: checkpoint at step 2, resumed to 4; exported student vs "
+            f"uninterrupted, max abs diff | {diff:.2e} | {'PASS' if diff < 1e-5 else 'FAIL'} |")
 
 
 def throughput(devices: int, names: list[str], rows: int, steps: int, warm: int,
@@ -261,12 +281,14 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warm", type=int, default=2)
     p.add_argument("--tiny", action="store_true", help="throughput: tiny shapes (a dry run)")
+    p.add_argument("--only", choices=["resume"],
+                   help="checks: only the resume checks (SGD and AdamW)")
     args = p.parse_args()
     if args.cpu:
         global ACCELERATOR
         ACCELERATOR = "cpu"
     if args.what == "checks":
-        checks()
+        checks(args.only)
     else:
         say("| strategy | GPUs | micro-batch per GPU | step | tokens/s (all GPUs) | peak |\n"
             "|---|---|---|---|---|---|")

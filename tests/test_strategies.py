@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from distill.models import load_causal_lm
 from distill.module import DistillModule
-from distill.strategies import DistillFSDP, fsdp_units
+from distill.strategies import DistillFSDP, fsdp_units, with_state_entry
 from distill.teachers import LiveTeacher
 
 
@@ -106,3 +106,50 @@ def test_export_gathers_the_full_state_even_with_sharded_checkpoints(tiny_assets
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
     for key, value in again.items():
         torch.testing.assert_close(value, trained[f"student.{key}"], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_optimizer_state_survives_a_sharded_checkpoint_round_trip(kind, tmp_path):
+    """What DistillFSDP._load_optimizers reads back: torch.distributed.checkpoint drops SGD's
+    empty "state" mapping (the cause of the FSDP resume failure); with_state_entry puts it
+    back and leaves AdamW's saved state as it was."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2)
+    make = (functools.partial(torch.optim.SGD, lr=0.1) if kind == "sgd"
+            else functools.partial(torch.optim.AdamW, lr=0.1))
+    optim = make(lin.parameters())
+    lin(torch.randn(4, 3)).sum().backward()
+    optim.step()
+    names = ["weight", "bias"]  # FSDP keys optimizer state by parameter name
+    saved = optim.state_dict()
+    by_name = {"state": {names[i]: s for i, s in saved["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                for g in saved["param_groups"]]}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        dcp.save({"model": lin.state_dict(), "optimizer_0": by_name}, checkpoint_id=tmp_path)
+        back = load_sharded_optimizer_state_dict(
+            lin.state_dict(), "optimizer_0", dcp.FileSystemReader(tmp_path))["optimizer_0"]
+    finally:
+        dist.destroy_process_group()
+    assert ("state" in back) == (kind == "adamw")
+    fixed = with_state_entry(back)
+    assert fixed["param_groups"] == by_name["param_groups"]
+    assert fixed["state"].keys() == by_name["state"].keys()
+    # AdamW's moments come back as one-shard ShardedTensors (world size 1: the whole tensor)
+    local = {n: {k: v.local_tensor() if hasattr(v, "local_tensor") else v
+                 for k, v in state.items()} for n, state in fixed["state"].items()}
+    for name, state in by_name["state"].items():
+        assert local[name].keys() == state.keys()
+        for k, v in state.items():
+            torch.testing.assert_close(local[name][k], v, rtol=0, atol=0)
+    # the restored dict loads into a fresh optimizer and gives back the same state
+    fresh = make(torch.nn.Linear(3, 2).parameters())
+    fresh.load_state_dict({"state": {names.index(n): s for n, s in local.items()},
+                           "param_groups": saved["param_groups"]})
+    assert len(fresh.state) == len(saved["state"])
