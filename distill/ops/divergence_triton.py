@@ -114,17 +114,23 @@ def _live_fwd_kernel(
             a_s = tl.load(zs_row + idx, mask=mask, other=ninf) * inv_t
             a_t = tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t
             w_rkl += tl.sum(tl.where(mask, tl.exp(a_s - ms) * (a_s - a_t), 0.0), 0)
-    ls = ms + tl.log(ss)
-    lt = mt + tl.log(st)
-    l1 = ls
+    # log q = (a - max) - log sum, never a - (max + log sum): with |a| ~ 1e4 the sum
+    # would be rounded to the max's ulp (~4e-3), scaling every p, q of a row with two
+    # comparable entries by ~(1 +- 4e-3) (docs/notes/kernels.md, "Conditioning")
+    ls, lt = tl.log(ss), tl.log(st)
+    l1 = ls  # with m1: the untempered student's (max, log sum) for the CE
     if CE_SEP:
-        l1 = m1 + tl.log(s1)
-    c = w_rkl / ss + lt - ls  # reverse KL's <q, G> (only used by KIND == 1)
+        l1 = tl.log(s1)
+    else:
+        m1 = ms
+    c = w_rkl / ss + ((mt - ms) + (lt - ls))  # reverse KL's <q, G> (only used by KIND == 1)
     ce = zero
     label = 0
     if HAS_CE:
         label = tl.load(labels_ptr + row)
-        ce = l1 - tl.load(zs_row + label)  # read before the last pass may overwrite it
+        # read before the last pass may overwrite it
+        ce = (m1 - tl.load(zs_row + label)) + l1
+
     rs = 1.0
     if HAS_SCALE:
         rs = tl.load(scale_ptr + row)
@@ -137,8 +143,8 @@ def _live_fwd_kernel(
         for i in range(0, nb):
             idx = (nb - 1 - i) * BLOCK + offs  # backwards: pass 1 left the row's end in L2
             mask = idx < V
-            logq = tl.load(zs_row + idx, mask=mask, other=ninf) * inv_t - ls
-            logp = tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t - lt
+            logq = (tl.load(zs_row + idx, mask=mask, other=ninf) * inv_t - ms) - ls
+            logp = (tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t - mt) - lt
             q, p = tl.exp(logq), tl.exp(logp)
             logm = _logaddexp(logp + lb, logq + l1b)
             tq = tl.where(mask & (q > 0), q * (logq - logm), 0.0)
@@ -154,8 +160,8 @@ def _live_fwd_kernel(
             idx = base + offs
             mask = idx < V
             zs = tl.load(zs_row + idx, mask=mask, other=ninf)
-            logq = zs * inv_t - ls
-            logp = tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t - lt
+            logq = (zs * inv_t - ms) - ls
+            logp = (tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t - mt) - lt
             q, p = tl.exp(logq), tl.exp(logp)
             if KIND == 0:
                 div += tl.sum(tl.where(mask & (p > 0), p * (logp - logq), 0.0), 0)
@@ -171,7 +177,7 @@ def _live_fwd_kernel(
                 if CE_GRAD:
                     sm = q
                     if CE_SEP:
-                        sm = tl.exp(zs - l1)
+                        sm = tl.exp((zs - m1) - l1)
                     g += ce_weight * (sm - tl.where(idx == label, 1.0, 0.0))
                 g = tl.where(mask, g, 0.0)
                 rm, ri, rg, acc = _track_ref(rm, ri, rg, acc, zs, g, base, offs)

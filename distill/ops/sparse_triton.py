@@ -104,21 +104,25 @@ def _sparse_fwd_kernel(
     ak = zk * inv_t
     mk, rk = _rest_of(ak, koffs)
     ms, rs_ = _fold_rest(mt, rt, mk, rk)
-    ls = ms + _log1p(rs_)  # the full normalizer
-    lt = mt + _log1p(rt)  # the tail's log-sum-exp (-inf without a tail)
+    # each log-sum-exp kept as (max, log sum / exp(max)): a - max first, then the log
+    # sum, never a - (max + log sum), rounded to the max's ulp (~4e-3 at |a| ~ 1e4)
+    ls = _log1p(rs_)  # the full normalizer, over ms
+    lt = _log1p(rt)  # the tail's, over mt (mt = -inf without a tail)
     l1 = ls
     if CE_SEP:
         mk1, rk1 = _rest_of(zk, koffs)
         m1, r1 = _fold_rest(m1, r1, mk1, rk1)
-        l1 = m1 + _log1p(r1)
+        l1 = _log1p(r1)
+    else:
+        m1 = ms
     mp, rp = _rest_of(lp, koffs)
     if RENORM:
         logq = ak - mk - _log1p(rk)
         lp = lp - mp - _log1p(rp)
         logq_t, p_t = zero + ninf, zero
     else:
-        logq = ak - ls
-        logq_t = lt - ls
+        logq = (ak - ms) - ls
+        logq_t = (mt - ms) + (lt - ls)
         p_t = zero
         if HAS_TAIL:  # 1 - sum(p_k) as -expm1(log sum p_k): exact when the tail is tiny
             p_t = tl.maximum(-_expm1(tl.minimum(mp + _log1p(rp), 0.0)), 0.0)
@@ -127,19 +131,19 @@ def _sparse_fwd_kernel(
     div, da_k, da_t = _categories(logq, lp, logq_t, p_t, kmask, beta, KIND)
     ce = zero
     if HAS_CE:
-        ce = l1 - zl
+        ce = (m1 - zl) + l1
     tl.store(loss_ptr + row, factor * div + ce_weight * ce)
     if WRITE_CE:
         tl.store(ce_ptr + row, ce)
     if NEED_GRAD:
-        _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, label, lt,
-                     l1, da_k, da_t, inv_t, factor * inv_t, ce_weight, CE_GRAD, HAS_SCALE,
+        _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, label, mt,
+                     lt, m1, l1, da_k, da_t, inv_t, factor * inv_t, ce_weight, CE_GRAD, HAS_SCALE,
                      ALIAS, BLOCK)
 
 
 @triton.jit
-def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, label, lt, l1,
-                 da_k, da_t, inv_t, gf, ce_weight, CE_GRAD: tl.constexpr,
+def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, label, mt, lt,
+                 m1, l1, da_k, da_t, inv_t, gf, ce_weight, CE_GRAD: tl.constexpr,
                  HAS_SCALE: tl.constexpr, ALIAS: tl.constexpr, BLOCK: tl.constexpr):
     """Write the gradient: the tail entries share da_t in proportion to their part of the
     tail (pass 2, backwards), then the K ids, then the row's largest logit from the rest."""
@@ -150,7 +154,7 @@ def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, labe
     rs = 1.0
     if HAS_SCALE:
         rs = tl.load(scale_ptr + row)
-    lt_safe = tl.where(lt == ninf, 0.0, lt)
+    mt_safe = tl.where(mt == ninf, 0.0, mt)  # no tail: every zs below is -inf
     n_label_in_k = tl.sum(tl.where(kmask & (ids == label), 1, 0), 0)
     rm, ri, rg, acc = zero + ninf, tl.zeros((), tl.int32), zero, zero
     for i in range(0, nb):
@@ -158,10 +162,10 @@ def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, labe
         idx = base + offs
         mask = idx < V
         zs = tl.load(zs_row + idx, mask=mask, other=ninf)  # -inf at the K ids
-        g = (gf * da_t) * tl.exp(zs * inv_t - lt_safe)
+        g = (gf * da_t) * tl.exp((zs * inv_t - mt_safe) - lt)
         if CE_GRAD:
             onehot = tl.where(idx == label, 1.0, 0.0) * (n_label_in_k == 0)  # else the ids
-            g += ce_weight * (tl.exp(zs - l1) - onehot)
+            g += ce_weight * (tl.exp((zs - m1) - l1) - onehot)
         g = tl.where(mask, g, 0.0)
         rm, ri, rg, acc = _track_ref(rm, ri, rg, acc, zs, g, base, offs)
         if HAS_SCALE:
@@ -171,7 +175,7 @@ def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, labe
         tl.store(dz_row + idx, g.to(dz_ptr.dtype.element_ty), mask=mask)
     gk = gf * da_k
     if CE_GRAD:
-        gk += ce_weight * (tl.exp(zk - l1) - tl.where(ids == label, 1.0, 0.0))
+        gk += ce_weight * (tl.exp((zk - m1) - l1) - tl.where(ids == label, 1.0, 0.0))
     gk = tl.where(kmask, gk, 0.0)
     # the largest logit is a cached id or in the tail: its gradient is minus the others'
     zk_m = tl.where(kmask, zk, ninf)

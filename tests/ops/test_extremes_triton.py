@@ -52,7 +52,7 @@ def _gpu_check(case, gap, kind, extra, target, v, k, dtype, settings):
                            dtype=dtype, device="cuda")
         got, ref = run_both(x, linear_divergence, grad_scale=0.5, kind=kind, chunk_size=24,
                             **opts, **setting, **extra)
-        assert_close_extreme(got, ref, x, dtype)
+        assert_close_extreme(got, ref, x, dtype, setting.get("temperature", 1.0))
 
 
 @pytest.mark.gpu
