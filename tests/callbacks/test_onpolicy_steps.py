@@ -136,3 +136,37 @@ def test_resumed_on_policy_run_samples_and_trains_the_same_steps(assets, tiny_as
     assert len(resumed) == 2
     for got, want in zip(resumed, steps[2:]):
         proof.assert_grads_match(got, {n: g.double() for n, g in want.items()}, rtol=1e-6)
+
+
+def test_ddp_on_policy_step_is_the_one_pass_gradient_of_both_ranks_windows(assets, tmp_path):
+    """K=3 on W=2 ranks: each rank rolls out its own window (its own seed), the counts are
+    summed over the ranks after sampling, and the step is the one-pass gradient of both."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "grads.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(root / "tests/callbacks/onpolicy_ddp_worker.py"), assets, str(out)]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = torch.load(out)
+    vocab = proof.models(assets)[0].config.vocab_size
+    per_rank = [proof.micro_batches(r, vocab) for r in range(2)]
+    module = _module(assets)
+    windows = proof.windows(proof.N_MICRO, 3)
+    assert len(got) == len(windows)
+    for i, window in enumerate(windows):
+        step = []
+        for rank, batches in enumerate(per_rank):
+            seed = window_seed(ON_POLICY["seed"], 0, i, rank)
+            rolled, _ = rollout([batches[j] for j in window], module.sampler, module.student,
+                                module.on_policy, seed, module.sampler.pad_token_id,
+                                module.sampler.eos_token_ids)
+            step += rolled
+        proof.assert_grads_match(got[i], _reference(assets, step, "valid_tokens"))
