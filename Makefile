@@ -15,8 +15,12 @@ install:  ## install torch (CPU build if none) and the package with its dev, log
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q $(TORCH_CPU)
 	$(PYTHON) -m pip install -q -e ".[dev,loggers,lora]"
 
+# one thread per process: the demo's models are tiny, and a second thread only adds
+# synchronization (and contention on a shared machine)
+DEMO_THREADS ?= 1
+
 demo: install  ## distil the bundled demo teacher into a fresh student on CPU (docs/notes/demo.md)
-	$(PYTHON) -m distill.train +experiment=$(EXPERIMENT)
+	OMP_NUM_THREADS=$(DEMO_THREADS) $(PYTHON) -m distill.train +experiment=$(EXPERIMENT)
 
 test: install  ## run the test suite (GPU tests skip without CUDA)
 	$(PYTHON) -m pytest -q
