@@ -197,26 +197,15 @@ def test_head_check_refuses_training_when_the_loss_misreads_a_head(family_dirs, 
 def test_readme_real_model_command_runs_as_written(family_dirs, compose_cfg, tmp_path,
                                                    tiny_assets):
     """The README's hf_sft command, its placeholder folders swapped for saved tiny ones."""
-    import re
-    import shlex
-    from pathlib import Path
+    from tests.readme import cpu_overrides, readme_commands
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    match = re.search(r"python -m distill\.train \+experiment=hf_sft(.*?)\n(?!\s)", readme,
-                      re.S)
-    words = shlex.split(match.group(1).replace("\\\n", " "))
+    (command,) = [c for c in readme_commands() if "student.lora" not in c]
     dirs, _ = family_dirs
     swap = {"/models/Qwen2.5-0.5B": str(dirs["qwen2"][0]),
             "/models/Qwen2.5-7B-Instruct": str(dirs["qwen2"][1]),
             "/data/chat.jsonl": str(tiny_assets["sft_train"]),
             "/data/chat_val.jsonl": str(tiny_assets["sft_val"])}
-    overrides = []
-    for word in words:
-        for old, new in swap.items():
-            word = word.replace(old, new)
-        if word != "trainer=gpu":  # the one change on a machine without a GPU
-            overrides.append(word)
-    assert len(overrides) == len(words) - 1 and not any("/models/" in w for w in overrides)
+    overrides = cpu_overrides(command, swap)
     cfg = compose_cfg("+experiment=hf_sft", *overrides, "trainer.max_steps=2",
                       "trainer.val_check_interval=2", "paths.data=???")
     summary = train(cfg)

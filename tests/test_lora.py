@@ -243,25 +243,13 @@ def test_gpu_bf16_mixed_lora_steps(tiny_assets, train_head):
 
 def test_readme_lora_command_runs_as_written(compose_cfg, tiny_assets, tmp_path):
     """The README's LoRA command, its placeholder folders swapped for the tiny ones."""
-    import re
-    import shlex
+    from tests.readme import cpu_overrides, readme_commands
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    # each command: its line and the continuation lines (ending in a backslash) after it
-    commands = re.findall(r"python -m distill\.train \+experiment=hf_sft((?:[^\n]*\\\n)*"
-                          r"[^\n]*)", readme)
-    (command,) = [c for c in commands if "student.lora.r=" in c]
-    words = shlex.split(command.replace("\\\n", " "))
+    (command,) = [c for c in readme_commands() if "student.lora.r=" in c]
     swap = {"/models/Qwen2.5-1.5B": str(tiny_assets["student"]),
             "/models/Qwen2.5-7B-Instruct": str(tiny_assets["teacher"]),
             "/data/chat": str(tiny_assets["sft_train"].parent)}
-    overrides = []
-    for word in words:
-        for old, new in swap.items():
-            word = word.replace(old, new)
-        if word != "trainer=gpu":  # the one change on a machine without a GPU
-            overrides.append(word)
-    assert len(overrides) == len(words) - 1 and not any("/models/" in w for w in overrides)
+    overrides = cpu_overrides(command, swap)
     cfg = compose_cfg("+experiment=hf_sft", *overrides, "trainer.max_steps=2",
                       "trainer.val_check_interval=2", out=tmp_path / "run")
     assert cfg.student.lora.r == 16 and cfg.student.lora.target_modules[-1] == "o_proj"
