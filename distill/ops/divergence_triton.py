@@ -40,8 +40,9 @@ MAX_K = 16384  # top-k ids held in registers by one program
 
 
 @triton.jit
-def _merge_tiles(st_ptr, plane, NT, BLOCK_T: tl.constexpr):
-    """(max, sum of exp) of a row from its tiles' (max, sum) planes; see logits_gemm."""
+def _merge_tiles(st_ptr, plane, NT, inv_t, BLOCK_T: tl.constexpr):
+    """(max z, sum of exp((z - max) * inv_t)) of a row from its tiles' planes; see
+    logits_gemm."""
     offs = tl.arange(0, BLOCK_T)
     m_run = tl.zeros((), tl.float32) + float("-inf")
     s_run = tl.zeros((), tl.float32)
@@ -51,7 +52,8 @@ def _merge_tiles(st_ptr, plane, NT, BLOCK_T: tl.constexpr):
         m = tl.load(st_ptr + idx, mask=mask, other=float("-inf"))
         s = tl.load(st_ptr + plane + idx, mask=mask, other=0.0)
         m_new = tl.maximum(m_run, tl.max(m, 0))
-        s_run = s_run * tl.exp(m_run - m_new) + tl.sum(s * tl.exp(m - m_new), 0)
+        s_run = s_run * tl.exp((m_run - m_new) * inv_t) + tl.sum(
+            s * tl.exp((m - m_new) * inv_t), 0)
         m_run = m_new
     return m_run, s_run
 
@@ -85,45 +87,50 @@ def _live_fwd_kernel(
     ms, ss, mt, st, m1, s1, w_rkl = zero + ninf, zero, zero + ninf, zero, zero + ninf, zero, zero
     if STATS:  # the GEMMs' epilogues did pass 1 per tile: merge the tiles
         sts_row = sts_ptr + row * NT
-        ms, ss = _merge_tiles(sts_row, plane_s, NT, BLOCK_T)
-        mt, st = _merge_tiles(stt_ptr + row * NT, plane_t, NT, BLOCK_T)
+        ms, ss = _merge_tiles(sts_row, plane_s, NT, inv_t, BLOCK_T)
+        mt, st = _merge_tiles(stt_ptr + row * NT, plane_t, NT, inv_t, BLOCK_T)
         if CE_SEP:
-            m1, s1 = _merge_tiles(sts_row + 2 * plane_s, plane_s, NT, BLOCK_T)
-    # pass 1: normalizers of q = softmax(zs / T), p = softmax(zt / T) (and softmax(zs))
+            m1, s1 = _merge_tiles(sts_row + 2 * plane_s, plane_s, NT, 1.0, BLOCK_T)
+    # pass 1: normalizers of q = softmax(zs / T), p = softmax(zt / T) (and softmax(zs)),
+    # each max in logit space, every exponent (z - max) * inv_t (triton_math says why)
+    w_sh = zero  # reverse KL: what w_rkl lacks of <q, log q - log p> - (log sums)
     for i in range(0, 0 if STATS else nb):
         idx = i * BLOCK + offs
         mask = idx < V
         zs = tl.load(zs_row + idx, mask=mask, other=ninf)
-        a_s = zs * inv_t
-        a_t = tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t
-        ms_new = tl.maximum(ms, tl.max(a_s, 0))
-        e_s = tl.exp(a_s - ms_new)
-        alpha = tl.exp(ms - ms_new)
+        zt = tl.load(zt_row + idx, mask=mask, other=ninf)
+        ms_new = tl.maximum(ms, tl.max(zs, 0))
+        e_s = tl.exp((zs - ms_new) * inv_t)
+        alpha = tl.exp((ms - ms_new) * inv_t)
         ss = ss * alpha + tl.sum(e_s, 0)
         if KIND == 1:
-            # <q, log q - log p> online: the reverse-KL gradient needs it in the last pass
-            w_rkl = w_rkl * alpha + tl.sum(tl.where(mask, e_s * (a_s - a_t), 0.0), 0)
+            # <q, (zs - zt) / T> online: the reverse-KL gradient needs it in the last pass
+            d = tl.where(mask, (zs - zt) * inv_t, 0.0)
+            w_rkl = w_rkl * alpha + tl.sum(e_s * d, 0)
         ms = ms_new
-        mt, st = _online(mt, st, a_t)
+        mt, st = _online(mt, st, zt, inv_t)
         if CE_SEP:
-            m1, s1 = _online(m1, s1, zs)
+            m1, s1 = _online(m1, s1, zs, 1.0)
+    if not STATS:
+        w_sh = (mt - ms) * inv_t
     if STATS and KIND == 1:
-        for i in range(0, nb):  # <q, log q - log p>, the normalizers known
+        for i in range(0, nb):  # <q, log q - log p> up to the log sums, the maxes known
             idx = i * BLOCK + offs
             mask = idx < V
-            a_s = tl.load(zs_row + idx, mask=mask, other=ninf) * inv_t
-            a_t = tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t
-            w_rkl += tl.sum(tl.where(mask, tl.exp(a_s - ms) * (a_s - a_t), 0.0), 0)
-    # log q = (a - max) - log sum, never a - (max + log sum): with |a| ~ 1e4 the sum
-    # would be rounded to the max's ulp (~4e-3), scaling every p, q of a row with two
-    # comparable entries by ~(1 +- 4e-3) (docs/notes/kernels.md, "Conditioning")
+            zs = tl.load(zs_row + idx, mask=mask, other=ninf)
+            zt = tl.load(zt_row + idx, mask=mask, other=ninf)
+            d = tl.where(mask, (zs - ms) * inv_t - (zt - mt) * inv_t, 0.0)
+            w_rkl += tl.sum(tl.exp((zs - ms) * inv_t) * d, 0)
+    # log q = (zs - ms) / T - log sum, never z / T - (max + log sum): with |z| / T ~ 1e4
+    # every rounding at that size (~1e-3) would scale every p, q of a row with two
+    # comparable entries (docs/notes/kernels.md, "Conditioning")
     ls, lt = tl.log(ss), tl.log(st)
     l1 = ls  # with m1: the untempered student's (max, log sum) for the CE
     if CE_SEP:
         l1 = tl.log(s1)
     else:
         m1 = ms
-    c = w_rkl / ss + ((mt - ms) + (lt - ls))  # reverse KL's <q, G> (only used by KIND == 1)
+    c = w_rkl / ss + (w_sh + (lt - ls))  # reverse KL's <q, G> (only used by KIND == 1)
     ce = zero
     label = 0
     if HAS_CE:
@@ -143,8 +150,8 @@ def _live_fwd_kernel(
         for i in range(0, nb):
             idx = (nb - 1 - i) * BLOCK + offs  # backwards: pass 1 left the row's end in L2
             mask = idx < V
-            logq = (tl.load(zs_row + idx, mask=mask, other=ninf) * inv_t - ms) - ls
-            logp = (tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t - mt) - lt
+            logq = (tl.load(zs_row + idx, mask=mask, other=ninf) - ms) * inv_t - ls
+            logp = (tl.load(zt_row + idx, mask=mask, other=ninf) - mt) * inv_t - lt
             q, p = tl.exp(logq), tl.exp(logp)
             logm = _logaddexp(logp + lb, logq + l1b)
             tq = tl.where(mask & (q > 0), q * (logq - logm), 0.0)
@@ -160,8 +167,8 @@ def _live_fwd_kernel(
             idx = base + offs
             mask = idx < V
             zs = tl.load(zs_row + idx, mask=mask, other=ninf)
-            logq = (zs * inv_t - ms) - ls
-            logp = (tl.load(zt_row + idx, mask=mask, other=ninf) * inv_t - mt) - lt
+            logq = (zs - ms) * inv_t - ls
+            logp = (tl.load(zt_row + idx, mask=mask, other=ninf) - mt) * inv_t - lt
             q, p = tl.exp(logq), tl.exp(logp)
             if KIND == 0:
                 div += tl.sum(tl.where(mask & (p > 0), p * (logp - logq), 0.0), 0)

@@ -1,13 +1,13 @@
 """Logits GEMM with the softmax statistics in its epilogue (Triton).
 
 z = hidden @ weight.T in fp32, written to a (C, V) buffer, and, for each row and each
-BLOCK_N-column tile, the tile's max and sum of exp of the tempered logits z / T (and of the
-untempered ones, for the cross-entropy when T != 1). The row kernel then combines V / BN
+BLOCK_N-column tile, the tile's max of z and sum of exp((z - max) / T) (and of
+exp(z - max), for the cross-entropy when T != 1). The row kernel then combines V / BN
 tile statistics per row instead of streaming the whole row once more: the first of its
 passes over the logits disappears.
 
-Stats layout, (P, C, NT) fp32, NT = cdiv(V, BN): planes 0, 1 are the tempered max / sum;
-with `untempered`, planes 2, 3 are the untempered ones.
+Stats layout, (P, C, NT) fp32, NT = cdiv(V, BN): planes 0, 1 are the max of z and the
+tempered sum; with `untempered`, planes 2, 3 are the max and the untempered sum.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ CONFIG = {"gemm": (128, 256, 64, 8, 4),
 
 
 @triton.jit
-def _tile_max_sum(a, valid):
-    """Row max and sum of exp(a - max) of a (BM, BN) tile, invalid entries excluded."""
-    a = tl.where(valid, a, float("-inf"))
-    m = tl.max(a, 1)
+def _tile_max_sum(z, valid, inv_t):
+    """Row max of z and sum of exp((z - max) * inv_t) of a (BM, BN) tile, invalid entries
+    excluded; the max stays in logit space (triton_math's docstring says why)."""
+    z = tl.where(valid, z, float("-inf"))
+    m = tl.max(z, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    return m, tl.sum(tl.exp(a - m_safe[:, None]), 1)
+    return m, tl.sum(tl.exp((z - m_safe[:, None]) * inv_t), 1)
 
 
 @triton.jit
@@ -79,11 +80,11 @@ def _epilogue(acc, z_ptr, stride_z, z_desc, st_ptr, C, V, NT, inv_t, off_m, pid_
                   BM, BN, TMA_STORE)
     plane = C * NT
     sp = st_ptr + rows64 * NT + pid_n
-    m, s = _tile_max_sum(acc * inv_t, valid)
+    m, s = _tile_max_sum(acc, valid, inv_t)
     tl.store(sp, m, mask=rmask)
     tl.store(sp + plane, s, mask=rmask)
     if UNTEMPERED:
-        m1, s1 = _tile_max_sum(acc, valid)
+        m1, s1 = _tile_max_sum(acc, valid, 1.0)
         tl.store(sp + 2 * plane, m1, mask=rmask)
         tl.store(sp + 3 * plane, s1, mask=rmask)
 

@@ -96,33 +96,33 @@ def _sparse_fwd_kernel(
     for i in range(0, nb):  # pass 1: the tail of softmax(zs / T) (and of softmax(zs))
         idx = i * BLOCK + offs
         zs = tl.load(zs_row + idx, mask=idx < V, other=ninf)
-        bm, br = _rest_of(zs * inv_t, offs)
-        mt, rt = _fold_rest(mt, rt, bm, br)
+        bm, br = _rest_of(zs, offs, inv_t)
+        mt, rt = _fold_rest(mt, rt, bm, br, inv_t)
         if CE_SEP:
-            bm, br = _rest_of(zs, offs)
-            m1, r1 = _fold_rest(m1, r1, bm, br)
-    ak = zk * inv_t
-    mk, rk = _rest_of(ak, koffs)
-    ms, rs_ = _fold_rest(mt, rt, mk, rk)
-    # each log-sum-exp kept as (max, log sum / exp(max)): a - max first, then the log
-    # sum, never a - (max + log sum), rounded to the max's ulp (~4e-3 at |a| ~ 1e4)
+            bm, br = _rest_of(zs, offs, 1.0)
+            m1, r1 = _fold_rest(m1, r1, bm, br, 1.0)
+    mk, rk = _rest_of(zk, koffs, inv_t)
+    ms, rs_ = _fold_rest(mt, rt, mk, rk, inv_t)
+    # each log-sum-exp kept as (max z, log sum / exp(max / T)), the exponents
+    # (z - max) / T, then the log sum: never z / T - (max / T + log sum), rounded at the
+    # size of z / T (~4e-3 at |z| / T ~ 6e4; triton_math's docstring)
     ls = _log1p(rs_)  # the full normalizer, over ms
     lt = _log1p(rt)  # the tail's, over mt (mt = -inf without a tail)
     l1 = ls
     if CE_SEP:
-        mk1, rk1 = _rest_of(zk, koffs)
-        m1, r1 = _fold_rest(m1, r1, mk1, rk1)
+        mk1, rk1 = _rest_of(zk, koffs, 1.0)
+        m1, r1 = _fold_rest(m1, r1, mk1, rk1, 1.0)
         l1 = _log1p(r1)
     else:
         m1 = ms
-    mp, rp = _rest_of(lp, koffs)
+    mp, rp = _rest_of(lp, koffs, 1.0)
     if RENORM:
-        logq = ak - mk - _log1p(rk)
+        logq = (zk - mk) * inv_t - _log1p(rk)
         lp = lp - mp - _log1p(rp)
         logq_t, p_t = zero + ninf, zero
     else:
-        logq = (ak - ms) - ls
-        logq_t = (mt - ms) + (lt - ls)
+        logq = (zk - ms) * inv_t - ls
+        logq_t = (mt - ms) * inv_t + (lt - ls)
         p_t = zero
         if HAS_TAIL:  # 1 - sum(p_k) as -expm1(log sum p_k): exact when the tail is tiny
             p_t = tl.maximum(-_expm1(tl.minimum(mp + _log1p(rp), 0.0)), 0.0)
@@ -162,7 +162,7 @@ def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, labe
         idx = base + offs
         mask = idx < V
         zs = tl.load(zs_row + idx, mask=mask, other=ninf)  # -inf at the K ids
-        g = (gf * da_t) * tl.exp((zs * inv_t - mt_safe) - lt)
+        g = (gf * da_t) * tl.exp((zs - mt_safe) * inv_t - lt)
         if CE_GRAD:
             onehot = tl.where(idx == label, 1.0, 0.0) * (n_label_in_k == 0)  # else the ids
             g += ce_weight * (tl.exp((zs - m1) - l1) - onehot)

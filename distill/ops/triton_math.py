@@ -4,6 +4,12 @@ that keep the row math exact when one logit dominates (docs/notes/kernels.md).
 A softmax normalizer is carried as (max, rest): the row's sum of exp is
 exp(max) * (1 + rest), so the largest entry's 1 is never added to the small terms, which
 fp32 would round away; log1p and expm1 finish it without cancellation.
+
+Tempered softmaxes keep their max in logit space (m = max z; T > 0 keeps the order) and
+form every exponent as (z - m) * inv_t: z - m is exact near the max (Sterbenz) and only a
+small number is rounded. Never z * inv_t - m: at |z| / T ~ 1e4 the product's half-ulp
+(~1e-3) lands in every exponent, differently wherever the compiler fuses it into an FMA
+(docs/notes/kernels.md, "Conditioning").
 """
 
 import triton
@@ -11,10 +17,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _online(m, s, x):
-    """Fold a block x into a running (max, sum of exp(x - max))."""
-    m_new = tl.maximum(m, tl.max(x, 0))
-    return m_new, s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+def _online(m, s, z, inv_t):
+    """Fold a block z into a running (max z, sum of exp((z - max) * inv_t))."""
+    m_new = tl.maximum(m, tl.max(z, 0))
+    return m_new, s * tl.exp((m - m_new) * inv_t) + tl.sum(tl.exp((z - m_new) * inv_t), 0)
 
 
 @triton.jit
@@ -40,21 +46,22 @@ def _expm1(x):
 
 
 @triton.jit
-def _fold_rest(m, r, bm, br):
-    """Merge two (max, rest) pairs, each standing for exp(max) * (1 + rest): the largest
-    entry's 1 is never added to the small terms, where fp32 would round them away."""
+def _fold_rest(m, r, bm, br, inv_t):
+    """Merge two (max, rest) pairs, each standing for exp(max * inv_t) * (1 + rest): the
+    largest entry's 1 is never added to the small terms, where fp32 would round them away."""
     up = bm > m
-    r_up = br + (1.0 + r) * tl.exp(m - bm)
-    r_keep = r + (1.0 + br) * tl.exp(bm - m)
+    r_up = br + (1.0 + r) * tl.exp((m - bm) * inv_t)
+    r_keep = r + (1.0 + br) * tl.exp((bm - m) * inv_t)
     r_new = tl.where(up, r_up, r_keep)
     return tl.maximum(m, bm), tl.where(bm == float("-inf"), r, r_new)
 
 
 @triton.jit
-def _rest_of(x, offs):
-    """(max, sum of exp(x - max) over the entries but the argmax) of a block."""
+def _rest_of(x, offs, inv_t):
+    """(max, sum of exp((x - max) * inv_t) over the entries but the argmax) of a block."""
     bm, bi = tl.max(x, 0, return_indices=True)
-    return bm, tl.sum(tl.where((offs == bi) | (x == float("-inf")), 0.0, tl.exp(x - bm)), 0)
+    e = tl.exp((x - bm) * inv_t)
+    return bm, tl.sum(tl.where((offs == bi) | (x == float("-inf")), 0.0, e), 0)
 
 
 @triton.jit
