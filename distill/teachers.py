@@ -39,6 +39,16 @@ class LiveTeacher(torch.nn.Module):
         self.model.requires_grad_(False)
         self.eval()
 
+    @classmethod
+    def from_model(cls, model) -> LiveTeacher:
+        """A teacher around a model already in memory (benchmarks build theirs with random
+        weights); no tokenizer to check it against."""
+        teacher = cls.__new__(cls)
+        torch.nn.Module.__init__(teacher)
+        teacher.name_or_path, teacher.tokenizer_path = type(model).__name__, None
+        teacher.model = model.requires_grad_(False)
+        return teacher.eval()
+
     def train(self, mode: bool = True):
         # Lightning puts the whole LightningModule in train mode; the teacher stays in eval.
         return super().train(False)

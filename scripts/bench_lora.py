@@ -33,9 +33,11 @@ from pathlib import Path
 
 if importlib.util.find_spec("distill") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout, not installed
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_train_steps
 
 import lightning as L
 import torch
+from bench_train_steps import LLAMA  # noqa: E402  (the same real-shaped pair)
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -44,26 +46,14 @@ from distill.lora import apply_lora, check_lora
 from distill.module import DistillModule
 from distill.teachers import LiveTeacher
 
-SHAPES = {  # (student, teacher) LlamaConfig arguments
-    "real": (dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                  num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
-             dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)),
+SHAPES = {  # (student, teacher) LlamaConfig arguments: the training-step benchmark's pairs
+    "real": (LLAMA["student"], LLAMA["teacher"]),
+    # tiny: multi-head k/v (the LoRA test counts the adapter parameters from these)
     "tiny": (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True),
              dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)),
 }
-
-
-class InMemoryTeacher(LiveTeacher):
-    """LiveTeacher around a model built here (LiveTeacher itself loads from a folder)."""
-
-    def __init__(self, model):
-        torch.nn.Module.__init__(self)
-        self.name_or_path = self.tokenizer_path = None
-        self.model = model.requires_grad_(False)
-        self.eval()
 
 
 def build(shape: dict, vocab: int, device, dtype) -> LlamaForCausalLM:
@@ -164,7 +154,8 @@ def main(argv=None) -> list[dict]:
     if device.type == "cpu" and not args.tiny:
         raise SystemExit("no CUDA device: run with --tiny for the CPU smoke test")
     teacher_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    teacher = InMemoryTeacher(build(SHAPES[args.shape][1], args.vocab, device, teacher_dtype))
+    teacher = LiveTeacher.from_model(
+        build(SHAPES[args.shape][1], args.vocab, device, teacher_dtype))
     teacher_gib = (sum(p.numel() * p.element_size() for p in teacher.parameters()) / 2**30
                    if device.type == "cuda" else None)
     modes = ["full", f"lora r={args.rank}", f"lora r={args.rank}+head"]

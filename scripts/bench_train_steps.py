@@ -63,11 +63,7 @@ def build(pair: str, run):
 
 def live_teacher(model) -> LiveTeacher:
     """A LiveTeacher around a model built here (LiveTeacher loads from a path)."""
-    teacher = LiveTeacher.__new__(LiveTeacher)
-    torch.nn.Module.__init__(teacher)
-    teacher.name_or_path = teacher.tokenizer_path = "random weights"
-    teacher.model = model.requires_grad_(False)
-    return teacher.eval()
+    return LiveTeacher.from_model(model)
 
 
 class TargetsOnDevice(torch.nn.Module):

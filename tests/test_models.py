@@ -102,3 +102,21 @@ def test_head_extras_of_the_families():
     for cfg, scale, softcap in cases:
         _, head = lm_head(AutoModelForCausalLM.from_config(cfg))
         assert head.scale == pytest.approx(scale, rel=1e-12) and head.softcap == softcap
+
+
+def test_live_teacher_around_a_model_in_memory(tiny_assets):
+    """LiveTeacher.from_model (the benchmarks' random-weight teachers) serves the same
+    targets as the teacher loaded from the folder, frozen and in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from distill.teachers import LiveTeacher
+
+    loaded = LiveTeacher(str(tiny_assets["teacher"]))
+    wrapped = LiveTeacher.from_model(AutoModelForCausalLM.from_pretrained(tiny_assets["teacher"]))
+    wrapped.train()  # Lightning's call: the teacher stays in eval
+    assert not wrapped.training and wrapped.tokenizer_path is None
+    assert not any(p.requires_grad for p in wrapped.parameters())
+    batch = {"input_ids": torch.randint(0, 40, (2, 7)), "attention_mask": torch.ones(2, 7)}
+    a, b = loaded.targets(batch), wrapped.targets(batch)
+    torch.testing.assert_close(a["teacher_hidden"], b["teacher_hidden"])
+    torch.testing.assert_close(a["teacher_weight"], b["teacher_weight"])
