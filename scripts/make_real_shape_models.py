@@ -45,6 +45,11 @@ from transformers import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_train_steps
+sys.path.append(str(ROOT))  # distill from a checkout that is not installed
+from bench_train_steps import LLAMA as STEP_LLAMA  # noqa: E402
+from bench_train_steps import QWEN as STEP_QWEN  # noqa: E402
+
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
           "'<|im_end|>\\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -56,21 +61,13 @@ GEMMA = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
              final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
              max_position_embeddings=8192)
 # pair -> (tokenizer size, (config class, student kwargs), (config class, teacher kwargs))
-PAIRS = {
+PAIRS = {  # llama and qwen: the training-step benchmark's shapes (bench_train_steps)
     "llama": (128256,
-              (LlamaConfig, dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                                 num_hidden_layers=16, num_attention_heads=32,
-                                 num_key_value_heads=8, tie_word_embeddings=True, **LLAMA)),
-              (LlamaConfig, dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                                 num_hidden_layers=32, num_attention_heads=32,
-                                 num_key_value_heads=8, tie_word_embeddings=False, **LLAMA))),
+              (LlamaConfig, dict(vocab_size=128256, **STEP_LLAMA["student"], **LLAMA)),
+              (LlamaConfig, dict(vocab_size=128256, **STEP_LLAMA["teacher"], **LLAMA))),
     "qwen": (151665,
-             (Qwen2Config, dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                                num_hidden_layers=24, num_attention_heads=14,
-                                num_key_value_heads=2, tie_word_embeddings=True, **QWEN)),
-             (Qwen2Config, dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                                num_hidden_layers=28, num_attention_heads=28,
-                                num_key_value_heads=4, tie_word_embeddings=False, **QWEN))),
+             (Qwen2Config, dict(vocab_size=151936, **STEP_QWEN["student"], **QWEN)),
+             (Qwen2Config, dict(vocab_size=152064, **STEP_QWEN["teacher"], **QWEN))),
     "gemma": (256000,
               (Gemma2Config, dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
                                   num_hidden_layers=26, num_attention_heads=8,
