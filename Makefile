@@ -29,13 +29,13 @@ test-fast:  ## the tests, without reinstalling
 	$(PYTHON) -m pytest -q -x
 
 lint:  ## ruff
-	$(PYTHON) -m ruff check distill tests scripts
+	$(PYTHON) -m ruff check distill tests scripts bench
 
 format:  ## ruff format
-	$(PYTHON) -m ruff format distill tests scripts
+	$(PYTHON) -m ruff format distill tests scripts bench
 
 bench:  ## GPU: loss benchmark -> $(BENCH_OUT)/ (table, JSON, plot) for docs/benchmarks.md
-	$(PYTHON) scripts/bench_loss.py --out $(BENCH_OUT)
+	$(PYTHON) bench/bench_loss.py --out $(BENCH_OUT)
 
 clean:  ## remove run outputs and caches
 	rm -rf outputs multirun lightning_logs .pytest_cache .ruff_cache

@@ -1,92 +1,60 @@
-"""The config schema: each key a run reads, its type and allowed range, checked first.
+"""The run's schema: every setting of `python -m distill.train`, checked before anything loads.
 
-`validate(cfg)` runs at the very start of `train(cfg)` and of the caching job, before any
-model, tokenizer or dataset loads. It reads every key of `RULES` that the config holds and
-raises one `ConfigError` listing each bad key with its value and what is allowed.
-
-Types are strict: a boolean is `true` or `false`, never the string "no" or "off" (Hydra's
-command-line grammar reads `data.packing=no` as the string 'no', which Python calls true);
-a number is an int or a float, never a bool or a string. Keys this table does not name pass
-untouched, so a new option works before it has a rule; give it one here (one line) when it
-lands. Rules with a condition over several keys live in `CROSS_CHECKS`.
+`parse(cfg)` turns the composed Hydra config into a `RunConfig` of typed settings (each
+group's dataclass lives beside the code that uses it: `LossConfig` in distill.objective,
+`DataConfig` in distill.data, ...) and raises one `ConfigError` listing every problem: a
+wrong type, an out-of-range value, an unknown key (`+` additions included, with the
+nearest known key), a rule over several groups. Groups built by Hydra's `instantiate`
+(trainer, optimizer, scheduler, callbacks, loggers) are checked against their target's
+own signature, plus the rules below for the keys distill relies on.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
+import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from distill.data.sources import KINDS as SOURCE_KINDS
-from distill.losses.spec import KINDS, SPARSE_MODES
-from distill.models import DTYPES as MODEL_DTYPE_TABLE
-from distill.normalization import POLICIES
+from distill.cache.job import CacheSettings
+from distill.callbacks.task_eval import TaskEvalConfig
+from distill.data.config import DataConfig
+from distill.levers import Speed
+from distill.lora import StudentConfig
+from distill.objective import LossConfig
+from distill.optim import LR
+from distill.rules import (
+    ConfigError,
+    Missing,
+    Rule,
+    Unresolved,
+    boolean,
+    build,
+    choice,
+    describe,
+    integer,
+    is_int,
+    mapping,
+    number,
+    raise_problems,
+    setting,
+    text,
+    unknown_key,
+)
+from distill.teachers import TeacherConfig
 
-MODEL_DTYPES = tuple(MODEL_DTYPE_TABLE)  # the names load_causal_lm accepts
-CACHE_DTYPES = ("float16", "bfloat16")  # of the stored log-probs
+__all__ = ["ConfigError", "RunConfig", "parse", "problems", "validate"]
+
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true",
               "bf16", "16", "64", 32, 16, 64, "transformer-engine",
               "transformer-engine-float16")
-
-
-class ConfigError(ValueError):
-    """One or more config values are of the wrong type or out of range."""
-
-
-@dataclass(frozen=True)
-class Rule:
-    check: Callable[[object], bool]
-    allowed: str  # completes "KEY=VALUE: must be ..."
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def integer(lo: int, *, null: bool = False, also: tuple = (), what: str = "") -> Rule:
-    extra = "".join(f" or {a}" for a in also) + (" or null" if null else "")
-    return Rule(lambda v: (v is None and null) or (_is_int(v) and (v >= lo or v in also)),
-                f"an integer >= {lo}{extra}{what}")
-
-
-def number(lo: float, *, strict: bool, hi: float | None = None, what: str = "") -> Rule:
-    """A finite int or float above `lo` (strictly when `strict`), up to `hi` included."""
-    def ok(v):
-        if not _is_number(v) or not math.isfinite(v):
-            return False
-        return (v > lo if strict else v >= lo) and (hi is None or v <= hi)
-    bound = f"{'>' if strict else '>='} {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
-    return Rule(ok, f"a finite number {bound}{what}")
-
-
-def boolean() -> Rule:
-    return Rule(lambda v: isinstance(v, bool), "true or false (a string such as 'no' or 'off' "
-                "is not a boolean)")
-
-
-def choice(options: Sequence, *, null: bool = False) -> Rule:
-    names = ", ".join(str(o) for o in options) + (", or null" if null else "")
-    return Rule(lambda v: (v is None and null) or (not isinstance(v, bool) and v in options),
-                f"one of {names}")
-
-
-def text(*, null: bool = False) -> Rule:
-    return Rule(lambda v: (v is None and null) or (isinstance(v, str) and v.strip() != ""),
-                "a non-empty string" + (" or null" if null else ""))
-
-
-def _val_interval(v) -> bool:
-    if v is None or (_is_int(v) and v >= 1):
-        return True
-    return isinstance(v, float) and math.isfinite(v) and 0 < v <= 1
+HYDRA_KEYS = ("_target_", "_partial_", "_args_", "_recursive_", "_convert_")
+# keys a run no longer reads, with where they went
+MOVED = {"tokenizer": "student.tokenizer and teacher.tokenizer (each defaults to its model's "
+                      "folder; a student without a tokenizer of its own uses the teacher's)"}
 
 
 def _ckpt_path(v) -> bool:
@@ -96,224 +64,230 @@ def _ckpt_path(v) -> bool:
     return isinstance(v, str) and ("://" in v or Path(v).expanduser().exists())
 
 
+def _val_interval(v) -> bool:
+    if v is None or (is_int(v) and v >= 1):
+        return True
+    return isinstance(v, float) and 0 < v <= 1
+
+
 def _devices(v) -> bool:
-    if v == "auto" or (_is_int(v) and (v >= 1 or v == -1)):
+    if v == "auto" or (is_int(v) and (v >= 1 or v == -1)):
         return True
     if isinstance(v, str):  # "0,1" or "2": Lightning parses it
         return v.replace(",", "").strip().isdigit() or v.strip() == "-1"
-    return isinstance(v, Sequence) and len(v) > 0 and all(_is_int(d) and d >= 0 for d in v)
+    return isinstance(v, (list, tuple)) and len(v) > 0 and all(is_int(d) and d >= 0 for d in v)
 
 
-def _splits(v) -> bool:
-    return isinstance(v, Sequence) and not isinstance(v, str) and len(v) > 0 and \
-        all(s in ("train", "val") for s in v)
-
-
-def _sources(v) -> bool:
-    return isinstance(v, Sequence) and not isinstance(v, str) and len(v) > 0 and \
-        all(isinstance(s, Mapping) for s in v)
-
-
-RULES: dict[str, Rule] = {
-    "seed": integer(0),
-    "tokenizer": text(),
-    "ckpt_path": Rule(_ckpt_path, "null, 'last' (resume from the checkpoints of "
-                      "paths.output_dir if any) or the path of an existing checkpoint"),
-    # --- trainer (lightning.Trainer arguments) ---
-    "trainer.accumulate_grad_batches": integer(1, what=" (micro-batches per optimizer step)"),
-    "trainer.max_steps": integer(1, also=(-1,), what=" (-1: no step limit)"),
-    "trainer.max_epochs": integer(1, also=(-1,), null=True, what=" (-1: no epoch limit)"),
-    "trainer.precision": choice(PRECISIONS),
-    "trainer.gradient_clip_val": Rule(lambda v: v is None or number(0, strict=False).check(v),
-                                      "a finite number >= 0 or null"),
-    "trainer.gradient_clip_algorithm": choice(("norm", "value"), null=True),
-    "trainer.val_check_interval": Rule(_val_interval, "an integer >= 1 (steps), a fraction "
-                                       "of an epoch in (0, 1], or null"),
-    "trainer.check_val_every_n_epoch": integer(1, null=True),
-    "trainer.num_sanity_val_steps": integer(-1),
-    "trainer.log_every_n_steps": integer(1),
-    "trainer.deterministic": Rule(lambda v: isinstance(v, bool) or v == "warn",
-                                  "true, false or 'warn'"),
-    "trainer.accelerator": text(),
-    "trainer.devices": Rule(_devices, "'auto', an integer >= 1 or -1 (all), a list of device "
-                            "ids, or a string of them ('0,1')"),
-    "trainer.num_nodes": integer(1),
-    # --- data (distill.data.DistillDataModule) ---
-    "data.train": Rule(_sources, "a non-empty list of sources ({name, kind, path, ...})"),
-    "data.val": Rule(lambda v: v is None or v == [] or _sources(v),
-                     "a list of sources or null"),
-    "data.batch_size": integer(1),
-    "data.val_batch_size": integer(1, null=True),
-    "data.max_length": integer(2, what=" (tokens per row: room for a token and its next)"),
-    "data.packing": boolean(),
-    "data.shuffle": boolean(),
-    "data.num_workers": integer(0),
-    "data.seed": integer(0),
-    "data.pad_to_multiple_of": integer(1),
-    "data.chat_template": text(null=True),
-    "data.assistant_turns": choice(("all", "last")),
-    "data.cpt_stride": integer(1, null=True, what=" (null: max_length - 1)"),
-    "data.mix_stopping": choice(("first_exhausted", "all_exhausted")),
-    # --- loss (distill.losses.linear_divergence through DistillModule) ---
-    "loss.kind": choice(KINDS),
-    "loss.beta": number(0, strict=False, hi=1),
-    "loss.temperature": number(0, strict=True, what=" (it divides the logits)"),
-    "loss.temperature_squared": boolean(),
-    "loss.ce_weight": number(0, strict=False),
-    "loss.divergence_weight": number(0, strict=False),
-    "loss.normalization": choice(POLICIES),
-    "loss.sparse_mode": choice(SPARSE_MODES),
-    "loss.chunk_size": integer(1, null=True, what=" (null picks it from the shapes)"),
-    "loss.fp32_weight_grad": boolean(),
-    "loss.backend": choice(("auto", "torch", "triton")),
-    "loss.on_policy.fraction": number(0, strict=False, hi=1, what=" (0: teacher-forced only)"),
-    "loss.on_policy.teacher_fraction": number(0, strict=False, hi=1),
-    "loss.on_policy.temperature": number(0, strict=False, what=" (0: greedy)"),
-    "loss.on_policy.top_p": number(0, strict=True, hi=1),
-    "loss.on_policy.max_new_tokens": integer(1),
-    "loss.on_policy.seed": integer(0),
-    # --- models ---
-    "student.name_or_path": text(),
-    "student.from_scratch": boolean(),
-    "student.dtype": choice(MODEL_DTYPES),
-    "student.attn_implementation": text(null=True),
-    "student.seed": integer(0, null=True),
-    "student.lora.r": integer(1, null=True, what=" (the LoRA rank; null: full fine-tuning)"),
-    "student.lora.alpha": Rule(lambda v: v is None or number(0, strict=True).check(v),
-                               "a finite number > 0 or null (2 * r)"),
-    "student.lora.dropout": Rule(lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
-    "student.lora.train_head": boolean(),
-    "teacher.name_or_path": text(),
-    "teacher.dtype": choice(MODEL_DTYPES),
-    "teacher.attn_implementation": text(null=True),
-    "teacher.dir": text(),
-    "teacher.top_k": integer(1),
-    "teacher.temperature": number(0, strict=True),
-    "teacher.sparse_mode": choice(SPARSE_MODES),
-    # --- performance switches (distill/levers.py) ---
-    "speed.gradient_checkpointing": boolean(),
-    "speed.compile": boolean(),
-    "speed.compile_backend": text(),
-    "speed.liger": boolean(),
-    "speed.attention": choice(("sdpa", "eager", "flash_attention_2", "flex_attention"),
-                              null=True),
-    # --- the teacher-logit cache (conf/teacher/cached.yaml, conf/cache.yaml) ---
-    "cache.dir": text(),
-    "cache.top_k": integer(1, what=" (K, ids kept per position)"),
-    "cache.temperature": number(0, strict=True),
-    "cache.dtype": choice(CACHE_DTYPES),
-    "cache.shard_size": integer(1),
-    "cache.batch_size": integer(1),
-    "cache.chunk": integer(1, null=True),
-    "cache.num_workers": integer(0),
-    "cache.splits": Rule(_splits, "a non-empty list of train and/or val"),
-    "cache.teacher.name_or_path": text(),
-    "cache.teacher.dtype": choice(MODEL_DTYPES),
-    # --- optimizer, scheduler, evaluation, callbacks ---
-    "optimizer.lr": number(0, strict=True),
-    "optimizer.weight_decay": number(0, strict=False),
-    "optimizer.momentum": number(0, strict=False),
-    "scheduler.num_warmup_steps": integer(0),
-    "scheduler.warmup_ratio": number(0, strict=False, hi=1),
-    "evaluate.path": text(),
-    "evaluate.max_examples": integer(1, null=True),
-    "evaluate.max_new_tokens": integer(1),
-    "logger.wandb.offline": boolean(),
-    "callbacks.checkpoint.every_n_train_steps": integer(0, null=True),
-    "callbacks.checkpoint.save_top_k": integer(-1),
-    "callbacks.progress.refresh_rate": integer(0),
-    "callbacks.export.merge": boolean(),
-    "callbacks.throughput.window_size": integer(2, what=" (micro-batches)"),
+# the Lightning Trainer keys distill's exactness and presets rely on
+TRAINER_RULES = {
+    "accumulate_grad_batches": integer(1, what=" (micro-batches per optimizer step)"),
+    "max_steps": integer(1, also=(-1,), what=" (-1: no step limit)"),
+    "max_epochs": integer(1, also=(-1,), null=True, what=" (-1: no epoch limit)"),
+    "precision": choice(PRECISIONS),
+    "gradient_clip_val": number(0, strict=False, null=True),
+    "gradient_clip_algorithm": choice(("norm", "value"), null=True),
+    "val_check_interval": Rule(_val_interval, "an integer >= 1 (steps), a fraction of an epoch "
+                               "in (0, 1], or null"),
+    "check_val_every_n_epoch": integer(1, null=True),
+    "num_sanity_val_steps": integer(-1),
+    "log_every_n_steps": integer(1),
+    "deterministic": Rule(lambda v: isinstance(v, bool) or v == "warn", "true, false or 'warn'"),
+    "accelerator": text(),
+    "devices": Rule(_devices, "'auto', an integer >= 1 or -1 (all), a list of device ids, or a "
+                    "string of them ('0,1')"),
+    "num_nodes": integer(1),
 }
-
-# each key of a data source (an item of data.train / data.val)
-SOURCE_RULES: dict[str, Rule] = {
-    "name": text(),
-    "kind": choice(SOURCE_KINDS),
-    "path": text(),
-    "split": text(),
-    "field": text(),
-    "weight": number(0, strict=True, what=" (its share of the mix)"),
-    "max_examples": integer(1, null=True),
+OPTIMIZER_RULES = {"lr": LR, "weight_decay": number(0, strict=False),
+                   "momentum": number(0, strict=False)}
+SCHEDULER_RULES = {"num_warmup_steps": integer(0)}
+CALLBACK_RULES = {  # by the class's name: third-party callbacks distill's presets configure
+    "ModelCheckpoint": {"every_n_train_steps": integer(0, null=True),
+                        "save_top_k": integer(-1)},
+    "TQDMProgressBar": {"refresh_rate": integer(0)},
 }
+LOGGER_RULES = {"WandbLogger": {"offline": boolean()}}
 
 
-def _get(cfg, key: str):
-    """(present, value) of a dotted key, interpolations resolved; '???' counts as present."""
-    node, _, leaf = key.rpartition(".")
-    parent = OmegaConf.select(cfg, node) if node else cfg
-    if not isinstance(parent, DictConfig) or leaf not in list(parent):  # `in` skips ???
-        return False, None
-    if OmegaConf.is_missing(parent, leaf):
-        return True, "???"
-    try:
-        value = parent[leaf]
-        if isinstance(value, (DictConfig, ListConfig)):
-            value = OmegaConf.to_container(value, resolve=True)
-    except OmegaConfBaseException as err:  # an interpolation to a missing or bad value
-        return True, Unresolved(str(err).splitlines()[0])
-    return True, value
+def _node(*, null: bool) -> Rule:
+    return mapping(null=null)
 
 
 @dataclass(frozen=True)
-class Unresolved:
-    why: str
+class RunConfig:
+    student: StudentConfig = setting()
+    teacher: TeacherConfig = setting()
+    data: DataConfig = setting()
+    loss: LossConfig = setting()
+    # folders other keys interpolate (${paths.data}/...): a use of an unset one is reported
+    # at the key that uses it
+    paths: dict = setting(rule=_node(null=False))
+    # built by hydra.utils.instantiate: checked against their targets (check_targets)
+    trainer: dict = setting(rule=_node(null=False))
+    optimizer: dict = setting(rule=_node(null=False))
+    speed: Speed = setting(factory=Speed)
+    seed: int = setting(0, integer(0))
+    ckpt_path: str | None = setting(None, Rule(_ckpt_path, "null, 'last' (resume from the "
+                                               "checkpoints of paths.output_dir if any) or the "
+                                               "path of an existing checkpoint"))
+    cache: CacheSettings | None = setting(None, _node(null=True))
+    evaluate: TaskEvalConfig | None = setting(None, _node(null=True))
+    scheduler: dict | None = setting(None, _node(null=True))
+    callbacks: dict | None = setting(None, _node(null=True))
+    logger: dict | None = setting(None, _node(null=True))
+    hydra: dict | None = setting(None, _node(null=True))  # Hydra's own, checked by Hydra
+
+    def problems(self, prefix: str = "") -> list[str]:
+        return cross_checks(self)
 
 
-def _problem(key: str, value, allowed: str, where: str = "") -> str:
-    if value == "???":
-        return f"{key} is not set (???): give {allowed}"
-    if isinstance(value, Unresolved):
-        return f"{key} cannot be resolved ({value.why}): give {allowed}"
-    return f"{key}={value!r}{where}: must be {allowed}"
-
-
-def _cross_checks(get) -> list[str]:
-    """Rules over several keys; `get(key)` is the value or None when absent."""
+def cross_checks(run: RunConfig) -> list[str]:
+    """Rules over several groups (each group's own rules live in its dataclass)."""
     out = []
-    ce, div = get("loss.ce_weight"), get("loss.divergence_weight")
-    if _is_number(ce) and _is_number(div) and ce == 0 and div == 0:
-        out.append("loss.divergence_weight=0 and loss.ce_weight=0: the loss is zero at every "
-                   "step and nothing trains; set loss.divergence_weight > 0 (distillation) "
-                   "and/or loss.ce_weight > 0 (hard labels)")
-    beta = get("loss.beta")
-    if get("loss.kind") == "jsd" and _is_number(beta) and not 0 < beta < 1:
-        out.append(f"loss.beta={beta!r}: jsd needs beta strictly inside (0, 1); at 0 or 1 "
-                   "use loss.kind=forward_kl or loss.kind=reverse_kl")
-    steps, epochs = get("trainer.max_steps"), get("trainer.max_epochs")
-    if steps == -1 and epochs == -1:
+    trainer = run.trainer
+    if trainer.get("max_steps") == -1 and trainer.get("max_epochs") == -1:
         out.append("trainer.max_steps=-1 and trainer.max_epochs=-1: the run never stops; "
                    "set trainer.max_steps (or trainer.max_epochs) to a positive number")
+    op = run.loss.on_policy
+    samples = op.samples and not run.loss.ce_only
+    if run.teacher.kind == "cached":
+        if samples:
+            out.append(f"loss.on_policy.fraction={op.fraction} needs a live teacher to score "
+                       "the student's samples; a cached teacher only knows the dataset's "
+                       "tokens. Use a live teacher (teacher.kind=live) or set "
+                       "loss.on_policy.fraction=0")
+        if run.cache is None:
+            out.append("teacher.kind=cached needs the cache: block (cache.dir, cache.top_k); "
+                       "teacher=cached brings it")
+        elif run.cache.temperature != run.loss.temperature:
+            out.append(f"cache.temperature={run.cache.temperature} and loss.temperature="
+                       f"{run.loss.temperature}: the cache stores log-probs at the training "
+                       "temperature; write the cache at loss.temperature")
+    if op.samples and run.data.packing:
+        out.append("loss.on_policy.fraction > 0 with data.packing=true: on-policy samples one "
+                   "completion per row and packed rows hold several examples; set "
+                   "data.packing=false")
+    if run.speed.compile and run.speed.liger:
+        out.append("speed.compile=true with speed.liger=true: Liger's autograd Functions "
+                   "inside a compiled decoder layer stop dynamo (AssertionError in "
+                   "overwrite_tensor_vt_proxy), and inductor already fuses the RMSNorm, SwiGLU "
+                   "and RoPE that Liger would replace; choose one (docs/benchmarks.md "
+                   "measures both)")
+    out += _device_checks(trainer)
     return out
 
 
-def problems(cfg: DictConfig) -> list[str]:
+def _device_checks(trainer: dict) -> list[str]:
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return [f"trainer.accelerator={accelerator}: this machine has no CUDA GPU; use "
+                    "trainer=cpu (or trainer.accelerator=auto, which picks the GPU where "
+                    "there is one)"]
+    return []
+
+
+# --- the `_target_` groups -----------------------------------------------------------------
+def _target(node: Mapping, key: str, found: list[str]):
+    from hydra.utils import get_object
+
+    target = node.get("_target_")
+    if not isinstance(target, str) or not target:
+        found.append(describe(f"{key}._target_", target, "the import path of what it builds"))
+        return None
+    try:
+        return get_object(target)
+    except Exception as err:  # an import error names the missing module
+        found.append(f"{key}._target_={target!r}: cannot be imported ({type(err).__name__}: "
+                     f"{err})")
+        return None
+
+
+def check_target(node: Mapping, key: str, found: list[str], rules: Mapping | None = None):
+    """Unknown keys against the target's signature; values against `rules` and the rules a
+    distill class declares (`SETTINGS`)."""
+    obj = _target(node, key, found)
+    if obj is None:
+        return
+    sig = inspect.signature(obj)
+    params = [p.name for p in sig.parameters.values()
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    open_ended = any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+    rules = {**(rules or {}), **getattr(obj, "SETTINGS", {})}
+    for name, value in node.items():
+        if name in HYDRA_KEYS:
+            continue
+        if name not in params and not open_ended:
+            found.append(unknown_key(f"{key}.", name, params))
+            continue
+        rule = rules.get(name)
+        if rule is not None and (isinstance(value, (Missing, Unresolved))
+                                 or not rule.check(value)):
+            found.append(describe(f"{key}.{name}", value, rule.allowed))
+
+
+def check_targets(run: RunConfig, found: list[str]) -> None:
+    check_target(run.trainer, "trainer", found, TRAINER_RULES)
+    check_target(run.optimizer, "optimizer", found, OPTIMIZER_RULES)
+    if run.scheduler:
+        check_target(run.scheduler, "scheduler", found, SCHEDULER_RULES)
+    for group, table in (("callbacks", CALLBACK_RULES), ("logger", LOGGER_RULES)):
+        nodes = getattr(run, group) or {}
+        if "_target_" in nodes:  # a single object written by hand
+            nodes = {"": nodes}
+        for name, node in nodes.items():
+            if node is None:
+                continue
+            key = f"{group}.{name}" if name else group
+            if not isinstance(node, Mapping):
+                found.append(describe(key, node, "a mapping with a _target_, or null"))
+                continue
+            cls = str(node.get("_target_", "")).rsplit(".", 1)[-1]
+            check_target(node, key, found, table.get(cls))
+
+
+# --- from Hydra's config to plain values -----------------------------------------------------
+def plain(node):
+    """A DictConfig as plain dicts and lists: a `???` becomes Missing, an interpolation that
+    cannot be resolved Unresolved(why), so that each is reported under its own key."""
+    if isinstance(node, DictConfig):
+        out, keys = {}, list(node.keys())  # `for key in node` would skip the ??? ones
+        for key in keys:
+            if OmegaConf.is_missing(node, key):
+                out[key] = Missing()
+                continue
+            try:
+                value = node[key]
+            except OmegaConfBaseException as err:
+                out[key] = Unresolved(str(err).splitlines()[0])
+                continue
+            out[key] = plain(value)
+        return out
+    if isinstance(node, ListConfig):
+        return [plain(v) for v in node]
+    return node
+
+
+def problems(cfg) -> list[str]:
     """Every rule the config breaks, as 'key=value: must be ...' lines."""
-    found, values = [], {}
-    for key, rule in RULES.items():
-        present, value = _get(cfg, key)
-        if not present:
-            continue
-        values[key] = value
-        if value == "???" or isinstance(value, Unresolved) or not rule.check(value):
-            found.append(_problem(key, value, rule.allowed))
-    for group in ("train", "val"):
-        sources = values.get(f"data.{group}")
-        if not _sources(sources):
-            continue
-        for i, source in enumerate(sources):
-            for name, rule in SOURCE_RULES.items():
-                if name in source and not rule.check(source[name]):
-                    where = f" (source {source['name']!r})" if source.get("name") else ""
-                    found.append(_problem(f"data.{group}[{i}].{name}", source[name],
-                                          rule.allowed, where))
-    return found + _cross_checks(values.get)
+    values = plain(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
+    found = []
+    for key in [k for k in values if k in MOVED]:
+        found.append(f"{key}: this key is gone: use {MOVED[key]}")
+        del values[key]
+    run = build(RunConfig, values, "", found)
+    if all(isinstance(getattr(run, k, None), dict) for k in ("trainer", "optimizer")):
+        check_targets(run, found)
+    return found
 
 
-def validate(cfg: DictConfig) -> None:
-    """Raise ConfigError listing every bad value; nothing has been loaded yet."""
+def parse(cfg) -> RunConfig:
+    """The typed settings of a run; ConfigError listing every problem, before any loading."""
     found = problems(cfg)
-    if found:
-        lines = "\n".join(f"  {p}" for p in found)
-        raise ConfigError(f"invalid config ({len(found)} problem{'s' * (len(found) > 1)}); "
-                          f"fix these overrides:\n{lines}")
+    raise_problems(found)
+    return build(RunConfig, plain(cfg) if isinstance(cfg, DictConfig) else dict(cfg), "", [])
+
+
+def validate(cfg) -> None:
+    raise_problems(problems(cfg))

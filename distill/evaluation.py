@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from distill.data.collate import pad
+
 
 def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
     """Read a jsonl file of `{"messages": [...], "task": ...}` examples (the first `limit`)."""
@@ -36,16 +38,6 @@ def _prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(encoded["input_ids"])
 
 
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-        attention_mask[i, width - len(row) :] = 1
-    return input_ids, attention_mask
-
-
 @torch.no_grad()
 def generate_answers(
     model, tokenizer, examples: list[dict], max_new_tokens: int = 16, batch_size: int = 256
@@ -64,7 +56,7 @@ def generate_answers(
     try:
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
-            input_ids, attention_mask = _left_pad([prompts[i] for i in idx], pad_id)
+            input_ids, attention_mask = pad([prompts[i] for i in idx], pad_id, side="left")
             out = model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),

@@ -10,37 +10,25 @@ flash-attention 2 when the package is installed). docs/benchmarks.md measures ea
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
+
+from distill.rules import boolean, choice, setting, text
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 
 
 @dataclass(frozen=True)
 class Speed:
-    gradient_checkpointing: bool = False  # student only: the teacher keeps no activations
-    compile: bool = False  # torch.compile each decoder layer of student and teacher
-    compile_backend: str = "inductor"
-    liger: bool = False  # Liger-Kernel RMSNorm / SwiGLU / RoPE in student and teacher
-    attention: str | None = None  # null keeps each model's own attn_implementation
+    """`speed:` what each lever gives is measured in docs/benchmarks.md."""
 
-    @classmethod
-    def from_config(cls, cfg) -> Speed:
-        cfg = dict(cfg or {})
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(cfg) - set(known))
-        if unknown:
-            raise ValueError(f"unknown speed option(s) {unknown}: the levers are "
-                             f"{sorted(known)} (distill/levers.py)")
-        for name in ("gradient_checkpointing", "compile", "liger"):
-            if name in cfg and not isinstance(cfg[name], bool):
-                raise ValueError(f"speed.{name} must be true or false, got {cfg[name]!r}")
-        attention = cfg.get("attention")
-        if attention is not None and attention not in ATTENTION:
-            raise ValueError(f"speed.attention={attention!r} is not one of {ATTENTION} "
-                             "(or null to keep each model's own)")
-        return cls(**cfg)
+    # student only: the teacher keeps no activations
+    gradient_checkpointing: bool = setting(False, boolean())
+    compile: bool = setting(False, boolean())  # torch.compile each decoder layer
+    compile_backend: str = setting("inductor", text())
+    liger: bool = setting(False, boolean())  # Liger-Kernel RMSNorm / SwiGLU / RoPE
+    attention: str | None = setting(None, choice(ATTENTION, null=True))  # null: the models'
 
     def active(self) -> list[str]:
         on = [n for n in ("gradient_checkpointing", "compile", "liger") if getattr(self, n)]
@@ -88,24 +76,27 @@ def compile_layers(model, backend: str = "inductor") -> None:
 
 
 def apply_liger(model) -> None:
-    """Patch Liger-Kernel's fused RMSNorm, SwiGLU MLP and RoPE into this model instance."""
+    """Patch Liger-Kernel's fused RMSNorm, SwiGLU MLP and RoPE into this model instance,
+    through the family's public `apply_liger_kernel_to_<family>(..., model=model)`."""
+    import inspect
+
     try:
-        from liger_kernel.transformers.monkey_patch import (
-            MODEL_TYPE_TO_APPLY_LIGER_FN,
-            _apply_liger_kernel_to_instance,
-        )
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError as err:
         raise ImportError("speed.liger=true needs liger-kernel: pip install liger-kernel "
                           "(it runs Triton kernels on CUDA GPUs)") from err
     if not torch.cuda.is_available():
         raise RuntimeError("speed.liger=true needs a CUDA GPU (Liger's kernels are Triton GPU "
                            "kernels): set speed.liger=false on CPU")
-    if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model.config.model_type)
+    if apply is None:
         raise ValueError(f"liger-kernel has no kernels for model_type="
                          f"{model.config.model_type!r}: set speed.liger=false")
-    # the loss never calls the model's head: leave the cross-entropy patches off
-    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
-                                    cross_entropy=False, fused_linear_cross_entropy=False)
+    # the loss never calls the model's head: the cross-entropy patches stay off
+    wanted = dict(rope=True, rms_norm=True, swiglu=True, geglu=True, cross_entropy=False,
+                  fused_linear_cross_entropy=False)
+    accepted = inspect.signature(apply).parameters
+    apply(model=model, **{k: v for k, v in wanted.items() if k in accepted})
 
 
 def set_attention(model, implementation: str) -> None:

@@ -13,89 +13,130 @@ adapter in PEFT's format (`PeftModel.from_pretrained(base, folder)`), or the mer
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers import PreTrainedModel
 
+from distill.constants import MODEL_DTYPES
 from distill.models import load_causal_lm, resolve_path
+from distill.rules import (
+    Rule,
+    boolean,
+    choice,
+    integer,
+    is_number,
+    number,
+    parse,
+    setting,
+    strings,
+    text,
+)
 
 log = logging.getLogger(__name__)
-KEYS = {"r", "alpha", "dropout", "target_modules", "train_head"}
 ADAPTER = "default"  # PEFT's adapter name; one adapter per student
 
 
-def load_student(name_or_path: str, lora: dict | None = None, from_scratch: bool = False,
-                 **kwargs):
-    """The student of `load_causal_lm`, with LoRA adapters when `lora.r` is set."""
-    settings = check_lora(lora)
-    if settings and from_scratch:
-        raise ValueError(
-            "student.lora needs a pretrained student: with student.from_scratch=true the "
-            "frozen base would be random weights that are saved nowhere. Load real weights "
-            "(student=hf student.name_or_path=<folder or hub name>) or train every weight "
-            "(student.lora.r=null)")
-    model = load_causal_lm(name_or_path, from_scratch=from_scratch, **kwargs)
+@dataclass(frozen=True)
+class LoraConfig:
+    """`student.lora:` r=null trains every weight; r=16 trains rank-16 adapters."""
+
+    r: int | None = setting(None, integer(1, null=True, what=" (the LoRA rank; null: full "
+                                                         "fine-tuning)"))
+    alpha: float | None = setting(None, number(0, strict=True, null=True, what=" (null: 2 * r)"))
+    dropout: float = setting(0.0, Rule(lambda v: is_number(v) and 0 <= v < 1,
+                                       "a number in [0, 1)"))
+    target_modules: str | list[str] = setting("all-linear", strings(also_text=True))
+    train_head: bool = setting(False, boolean())
+
+    @property
+    def enabled(self) -> bool:
+        return self.r is not None
+
+    @property
+    def scale_alpha(self) -> float:
+        return 2 * self.r if self.alpha is None else self.alpha
+
+
+@dataclass(frozen=True)
+class StudentConfig:
+    """`student:` the model that trains (a Hugging Face folder or hub name)."""
+
+    name_or_path: str = setting(rule=text())
+    from_scratch: bool = setting(False, boolean())  # only the config: random weights
+    dtype: str = setting("float32", choice(tuple(MODEL_DTYPES)))
+    attn_implementation: str | None = setting(None, text(null=True))
+    seed: int | None = setting(None, integer(0, null=True))
+    tokenizer: str | None = setting(None, text(null=True))  # null: its folder's, or the teacher's
+    disable_dropout: bool = setting(True, boolean())  # TRL's default for distillation
+    lora: LoraConfig = setting(factory=LoraConfig)
+
+    def problems(self, prefix: str = "") -> list[str]:
+        if self.lora.enabled and self.from_scratch:
+            return [f"{prefix}lora.r={self.lora.r}: LoRA needs a pretrained student: with "
+                    f"{prefix}from_scratch=true the frozen base would be random weights that "
+                    "are saved nowhere. Load real weights (student=hf student.name_or_path="
+                    f"<folder or hub name>) or train every weight ({prefix}lora.r=null)"]
+        return []
+
+
+def load_student(cfg: StudentConfig | str, **settings):
+    """The student model, with LoRA adapters when `cfg.lora.r` is set. `cfg` may be a
+    folder or hub name, with the other settings as keywords (`lora={"r": 8}`)."""
+    if not isinstance(cfg, StudentConfig):
+        cfg = parse(StudentConfig, {"name_or_path": str(cfg), **settings}, "student.")
+    model = load_causal_lm(cfg.name_or_path, dtype=cfg.dtype, from_scratch=cfg.from_scratch,
+                           attn_implementation=cfg.attn_implementation, seed=cfg.seed)
     model.train()  # from_pretrained leaves eval mode: dropout (LoRA's too) would stay off
-    if settings:
-        path = resolve_path(name_or_path)
-        apply_lora(model, settings, base=str(Path(path).resolve()) if Path(path).exists() else path)
+    if cfg.disable_dropout:
+        disable_dropout(model)
+    if cfg.lora.enabled:
+        path = resolve_path(cfg.name_or_path)
+        apply_lora(model, cfg.lora, base=str(Path(path).resolve()) if Path(path).exists()
+                   else path)
     return model
 
 
-def check_lora(lora) -> dict | None:
-    """The LoRA settings with defaults filled in, None for full fine-tuning (`r: null`)."""
-    if not lora or lora.get("r") is None:
-        return None
-    lora = dict(lora)
-    unknown = set(lora) - KEYS
-    if unknown:
-        raise ValueError(f"student.lora has unknown key(s) {sorted(unknown)}: allowed are "
-                         f"{sorted(KEYS)}")
-    r, alpha = lora["r"], lora.get("alpha")
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ValueError(f"student.lora.r={r!r}: the adapter rank must be an integer >= 1 "
-                         "(or null for full fine-tuning)")
-    alpha = 2 * r if alpha is None else alpha
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise ValueError(f"student.lora.alpha={alpha!r}: must be a number > 0 (null: 2 * r)")
-    dropout = lora.get("dropout") or 0.0
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        raise ValueError(f"student.lora.dropout={dropout!r}: must be in [0, 1)")
-    targets = lora.get("target_modules") or "all-linear"
-    if not isinstance(targets, str):
-        targets = [str(t) for t in targets]
-    train_head = lora.get("train_head", False)
-    if not isinstance(train_head, bool):
-        raise ValueError(f"student.lora.train_head={train_head!r}: must be true or false")
-    return {"r": r, "alpha": alpha, "dropout": float(dropout), "target_modules": targets,
-            "train_head": train_head}
+def disable_dropout(model) -> None:
+    """Dropout off in every layer (and p = 0 in the config, for the export): the student
+    and teacher should see the same function of the same tokens."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop",
+                "attn_pdrop", "summary_first_dropout"):
+        if isinstance(getattr(model.config, key, None), float):
+            setattr(model.config, key, 0.0)
 
 
-def apply_lora(model, settings: dict, base: str | None = None):
+def apply_lora(model, settings: LoraConfig, base: str | None = None):
     """Inject LoRA adapters into `model` in place; everything else is frozen."""
     try:
-        from peft import LoraConfig, inject_adapter_in_model
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import inject_adapter_in_model
     except ImportError as err:
         raise ModuleNotFoundError("student.lora needs the peft package: run `make install` "
                                   "(or `pip install -e '.[lora]'`)") from err
-    targets = settings["target_modules"]
-    config = LoraConfig(r=settings["r"], lora_alpha=settings["alpha"],
-                        lora_dropout=settings["dropout"], target_modules=targets, bias="none")
+    targets = settings.target_modules
+    targets = targets if isinstance(targets, str) else list(targets)
+    config = PeftLoraConfig(r=settings.r, lora_alpha=settings.scale_alpha,
+                            lora_dropout=settings.dropout, target_modules=targets, bias="none")
     config.base_model_name_or_path = base
     try:
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as err:
         raise ValueError(f"student.lora.target_modules={targets!r}: {err}") from err
     _check_targets(model, targets)
-    model.get_output_embeddings().weight.requires_grad_(settings["train_head"])  # tied: and
+    model.get_output_embeddings().weight.requires_grad_(settings.train_head)  # tied: and
     # the input embedding, the same tensor
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()  # fp32 master weights for what trains, whatever the base
     trainable, total = lora_parameters(model)
     log.info("LoRA student: r=%d alpha=%s on %s, head %s: %d of %d parameters train (%.2f%%)",
-             settings["r"], settings["alpha"], targets,
-             "trained" if settings["train_head"] else "frozen", trainable, total,
+             settings.r, settings.scale_alpha, targets,
+             "trained" if settings.train_head else "frozen", trainable, total,
              100 * trainable / total)
     return model
 

@@ -12,10 +12,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from distill.losses.spec import HeadTransform
+from distill.constants import MODEL_DTYPES
+from distill.ops.spec import HeadTransform
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "auto": "auto"}
 DEMO_ASSETS = Path(__file__).parent / "demo_assets"
 
 
@@ -69,6 +68,14 @@ def missing_files(path: str, what: str) -> str | None:
     return None
 
 
+def check_model_folder(name_or_path: str, from_scratch: bool = False) -> None:
+    """Before anything loads: a local model folder holds what loading it will need."""
+    path = resolve_path(name_or_path)
+    problem = missing_files(path, "config" if from_scratch else "model")
+    if problem:
+        raise FileNotFoundError(problem)
+
+
 def load_tokenizer(name_or_path: str):
     path = resolve_path(name_or_path)
     try:
@@ -91,7 +98,7 @@ def load_causal_lm(name_or_path: str, dtype: str = "float32", from_scratch: bool
     """AutoModelForCausalLM from a local folder or hub name; `from_scratch` keeps only
     the config (random init), as the demo student does."""
     path = resolve_path(name_or_path)
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = MODEL_DTYPES[dtype]
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
         if from_scratch:
@@ -164,19 +171,6 @@ def lm_head(model: PreTrainedModel) -> tuple[torch.Tensor, HeadTransform]:
     return head.weight, HeadTransform(bias=head.bias, scale=scale, softcap=softcap)
 
 
-def check_same_tokenizer(student_tok, teacher_tok) -> int:
-    """The shared vocabulary size; a clear error when the tokenizers differ."""
-    if student_tok.get_vocab() != teacher_tok.get_vocab():
-        s, t = student_tok.get_vocab(), teacher_tok.get_vocab()
-        diff = sorted(set(s.items()) ^ set(t.items()))[:3]
-        raise ValueError(
-            f"student and teacher tokenizers differ (vocab sizes {len(s)} vs {len(t)}; e.g. "
-            f"{diff}): distillation needs a shared vocabulary. Use the teacher's tokenizer "
-            "for both (tokenizer=<teacher path>) or a teacher of the same family"
-        )
-    return len(student_tok)
-
-
 def check_head_rows(model: PreTrainedModel, vocab: int, who: str) -> None:
     rows = model.get_output_embeddings().weight.shape[0]
     if rows < vocab:
@@ -195,5 +189,5 @@ def trainable_dtype(dtype: str, precision: str | int) -> torch.dtype | None:
     precision = str(precision)
     if precision in converted:
         return converted[precision]
-    loaded = DTYPES[dtype]
+    loaded = MODEL_DTYPES[dtype]
     return None if loaded == "auto" else loaded

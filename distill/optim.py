@@ -14,6 +14,8 @@ import math
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
+from distill.rules import Rule, is_number, number
+
 
 def decay_groups(params, weight_decay: float) -> list[dict]:
     """Two parameter groups: matrices with `weight_decay`, 1-D tensors without."""
@@ -26,23 +28,35 @@ def decay_groups(params, weight_decay: float) -> list[dict]:
                         {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
 
 
+LR = number(0, strict=True)
+WARMUP_RATIO = Rule(lambda v: is_number(v) and 0 <= v < 1 and math.isfinite(v),
+                    "a number in [0, 1) (the share of the steps that warm up)")
+
+
 def adamw(params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999),
-          eps: float = 1e-8, **kwargs) -> torch.optim.AdamW:
+          eps: float = 1e-8, fused: bool | None = None) -> torch.optim.AdamW:
     """torch.optim.AdamW whose weight decay skips norms and biases (see decay_groups)."""
-    if not lr > 0 or not math.isfinite(lr):
-        raise ValueError(f"optimizer.lr must be a finite number > 0, got {lr}")
+    if not LR.check(lr):
+        raise ValueError(f"optimizer.lr={lr!r}: must be {LR.allowed}")
     return torch.optim.AdamW(decay_groups(params, weight_decay), lr=lr, betas=tuple(betas),
-                             eps=eps, **kwargs)
+                             eps=eps, fused=fused)
+
+
+adamw.SETTINGS = {"lr": LR}
 
 
 def cosine_with_warmup(optimizer, num_training_steps: int, warmup_ratio: float = 0.03,
                        num_cycles: float = 0.5):
     """Linear warmup over `warmup_ratio` of the steps (at least one), then cosine to 0."""
-    if not 0 <= warmup_ratio < 1:
-        raise ValueError(f"scheduler.warmup_ratio must be in [0, 1), got {warmup_ratio}")
+    if not WARMUP_RATIO.check(warmup_ratio):
+        raise ValueError(f"scheduler.warmup_ratio={warmup_ratio!r}: must be "
+                         f"{WARMUP_RATIO.allowed}")
     if num_training_steps is None or not math.isfinite(num_training_steps):
         raise ValueError("a warmup ratio needs a finite number of steps: set "
                          "trainer.max_steps")
     warmup = max(1, round(warmup_ratio * num_training_steps)) if warmup_ratio else 0
     return get_cosine_schedule_with_warmup(optimizer, warmup, int(num_training_steps),
                                            num_cycles=num_cycles)
+
+
+cosine_with_warmup.SETTINGS = {"warmup_ratio": WARMUP_RATIO}

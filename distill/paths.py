@@ -10,7 +10,10 @@ where Hydra writes, through `hydra.run.dir: ${paths.output_dir}`).
 
 from __future__ import annotations
 
+import os
+import socket
 from datetime import datetime
+from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
@@ -31,6 +34,56 @@ def hydra_output_dir() -> str:
 
 
 def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("distill_demo"):
+        from distill.models import DEMO_ASSETS
+
+        OmegaConf.register_new_resolver("distill_demo", lambda: str(DEMO_ASSETS))
     if not OmegaConf.has_resolver("distill_output_dir"):
         # cached: every `${paths.output_dir}` of one config names the same folder
         OmegaConf.register_new_resolver("distill_output_dir", hydra_output_dir, use_cache=True)
+
+
+class RunLock:
+    """One run per output folder: an exclusive `flock` on `<dir>/.distill.lock`, held for the
+    run's life. The kernel drops it when the process ends however it ends, so a killed run
+    leaves no stale lock; a second run into the folder is refused, naming the first."""
+
+    def __init__(self, folder):
+        self.path = Path(folder) / ".distill.lock"
+        self.file = None
+
+    def __enter__(self):
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise RuntimeError(
+                f"{self.path.parent} is the output folder of a run that is still going "
+                f"({holder}): two runs in one folder would mix their checkpoints, logs and "
+                "student. Give this run its own paths.output_dir, or wait for the other "
+                "one") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self.file.flush()
+        return self
+
+    def __exit__(self, *exc):
+        import fcntl
+
+        if self.file is not None:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+            self.file = None
+
+
+def is_launch_rank() -> bool:
+    """The process that owns the run's folder: global rank 0, or a launch not yet split into
+    ranks (Lightning's launcher re-runs the command in its child processes)."""
+    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK"))

@@ -30,6 +30,31 @@ from lightning.pytorch.strategies import FSDPStrategy
 
 from distill.levers import decoder_layers
 
+# the file beside the shards of a sharded checkpoint folder (Lightning's layout: its trainer
+# state and the loops'; the shards are torch.distributed.checkpoint files)
+SHARDED_METADATA = "meta.pt"
+
+
+def _state_dict_type(module, full: bool):
+    """torch's FSDP state-dict context: full (gathered on rank 0, on CPU) or sharded."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+    from torch.distributed.fsdp.api import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+    )
+
+    if full:
+        return FSDP.state_dict_type(module, StateDictType.FULL_STATE_DICT,
+                                    FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+                                    FullOptimStateDictConfig(offload_to_cpu=True,
+                                                             rank0_only=True))
+    return FSDP.state_dict_type(module, StateDictType.SHARDED_STATE_DICT,
+                                ShardedStateDictConfig(offload_to_cpu=True),
+                                ShardedOptimStateDictConfig(offload_to_cpu=True))
+
 
 class DistillFSDP(FSDPStrategy):
     def __init__(self, reduce_fp32: bool = True, **kwargs):
@@ -51,29 +76,24 @@ class DistillFSDP(FSDPStrategy):
             return MixedPrecision(param_dtype=config.param_dtype, reduce_dtype=torch.float32)
         return config
 
-    def _setup_model(self, model):
-        from torch.distributed.fsdp import FullyShardedDataParallel
+    def setup(self, trainer) -> None:
+        # the units are chosen from the module Lightning is about to wrap (public: the
+        # strategy's constructor kwargs, read when it wraps the model in super().setup)
+        module = self.lightning_module
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        if not any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-            layers, ignored = fsdp_units(model)
-            self.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(layers)
-            for p in ignored:  # FSDP moves only what it manages
-                p.data = p.data.to(self.root_device)
-            self.kwargs["ignored_states"] = ignored
-        return super()._setup_model(model)
+        layers, ignored = fsdp_units(module)
+        self.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(layers)
+        for p in ignored:  # FSDP moves only what it manages
+            p.data = p.data.to(self.root_device)
+        self.kwargs["ignored_states"] = ignored
+        super().setup(trainer)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
-        from lightning.fabric.strategies.fsdp import (
-            _METADATA_FILENAME,
-            _get_sharded_state_dict_context,
-            _is_sharded_checkpoint,
-        )
-
         path = Path(self.broadcast(checkpoint_path))
-        if not _is_sharded_checkpoint(path):
+        if not (path.is_dir() and (path / SHARDED_METADATA).is_file()):
             return super().load_checkpoint(checkpoint_path, weights_only)
-        with _get_sharded_state_dict_context(self.model):
+        with _state_dict_type(self.model, full=False):
             full = self.model.state_dict()
             # the checkpoint holds no teacher (DistillModule.on_save_checkpoint): load the
             # rest and keep the teacher as it is
@@ -82,7 +102,7 @@ class DistillFSDP(FSDPStrategy):
             self.model.load_state_dict({**full, **saved["model"]})
             if self.lightning_module.trainer.state.fn == "fit":
                 self._load_optimizers(path, saved["model"])
-        metadata = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        metadata = torch.load(path / SHARDED_METADATA, weights_only=weights_only)
         # the weights are in place already; DistillModule.on_load_checkpoint still expects
         # the key (it adds the teacher's entries, which FSDP's load_model_state_dict ignores)
         metadata.setdefault("state_dict", {})
@@ -91,9 +111,7 @@ class DistillFSDP(FSDPStrategy):
     def full_state_dict(self) -> dict:
         """The whole module's state gathered on rank 0 (every rank must call it), whatever
         state_dict_type the checkpoints use: what the HF export needs."""
-        from lightning.fabric.strategies.fsdp import _get_full_state_dict_context
-
-        with _get_full_state_dict_context(self.model, world_size=self.world_size):
+        with _state_dict_type(self.model, full=True):
             return self.model.state_dict()
 
     def _load_optimizers(self, path: Path, model_state: dict) -> None:

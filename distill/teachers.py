@@ -1,25 +1,48 @@
 """Teachers give the loss its targets for a batch: live hidden states or cached top-k.
 
-Both return the keyword arguments of `linear_divergence` for the batch's flattened,
-shifted positions (position t of a row predicts token t + 1).
+Both implement `Teacher`: `targets(batch)` returns the keyword arguments of
+`linear_divergence` for the batch's flattened, shifted positions (position t of a row
+predicts token t + 1), and `prepare(datamodule, tokenizer)` runs once before training.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
-from distill.losses import linear_divergence
+from distill.constants import MODEL_DTYPES
+from distill.data.shift import shift_flat
 from distill.models import final_hidden_states, lm_head, load_causal_lm
+from distill.ops.spec import SPARSE_MODES
+from distill.rules import choice, setting, text
+
+KINDS = ("live", "cached")
 
 
-def shift_flat(x: torch.Tensor) -> torch.Tensor:
-    """(B, T, ...) -> (B * (T - 1), ...): drop the last position, which predicts nothing."""
-    return x[:, :-1].reshape(-1, *x.shape[2:])
+@dataclass(frozen=True)
+class TeacherConfig:
+    """`teacher:` a model run beside the student (live), or the cache it wrote (cached)."""
+
+    name_or_path: str = setting(rule=text())  # cached: the model the cache was written with
+    kind: str = setting("live", choice(KINDS))
+    dtype: str = setting("float32", choice(tuple(MODEL_DTYPES)))
+    attn_implementation: str | None = setting(None, text(null=True))
+    tokenizer: str | None = setting(None, text(null=True))  # null: the teacher's folder
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.name_or_path
 
 
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """(B, T) -> (B * (T - 1),): position t is trained on token t + 1 (HF-aligned labels)."""
-    return labels[:, 1:].reshape(-1)
+class Teacher(Protocol):
+    model: torch.nn.Module | None  # the live model; None for a cached teacher
+
+    def targets(self, batch: dict) -> dict: ...
+
+    def prepare(self, datamodule, tokenizer) -> None: ...
 
 
 class LiveTeacher(torch.nn.Module):
@@ -29,29 +52,34 @@ class LiveTeacher(torch.nn.Module):
     so the teacher's logits are never built either.
     """
 
-    def __init__(self, name_or_path: str, dtype: str = "float32",
-                 attn_implementation: str | None = None, tokenizer: str | None = None):
+    def __init__(self, model: torch.nn.Module | str, dtype: str = "float32",
+                 attn_implementation: str | None = None):
+        """`model`: a causal LM in memory, or a folder / hub name to load it from."""
         super().__init__()
-        self.name_or_path = name_or_path
-        self.tokenizer_path = tokenizer or name_or_path  # checked against the student's
-        self.model = load_causal_lm(name_or_path, dtype=dtype,
-                                    attn_implementation=attn_implementation)
-        self.model.requires_grad_(False)
+        if isinstance(model, (str, os.PathLike)):
+            self.name = str(model)
+            model = load_causal_lm(self.name, dtype=dtype,
+                                   attn_implementation=attn_implementation)
+        else:
+            self.name = type(model).__name__
+        self.model = model.requires_grad_(False)
         self.eval()
 
     @classmethod
-    def from_model(cls, model) -> LiveTeacher:
-        """A teacher around a model already in memory (benchmarks build theirs with random
-        weights); no tokenizer to check it against."""
-        teacher = cls.__new__(cls)
-        torch.nn.Module.__init__(teacher)
-        teacher.name_or_path, teacher.tokenizer_path = type(model).__name__, None
-        teacher.model = model.requires_grad_(False)
-        return teacher.eval()
+    def load(cls, cfg: TeacherConfig) -> LiveTeacher:
+        return cls(cfg.name_or_path, cfg.dtype, cfg.attn_implementation)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> LiveTeacher:
+        """A teacher around a model already in memory (benchmarks, the Python API)."""
+        return cls(model)
 
     def train(self, mode: bool = True):
         # Lightning puts the whole LightningModule in train mode; the teacher stays in eval.
         return super().train(False)
+
+    def prepare(self, datamodule, tokenizer) -> None:
+        """Nothing to check: the tokenizers were compared when the run was set up."""
 
     @torch.no_grad()
     def targets(self, batch: dict) -> dict:
@@ -61,26 +89,14 @@ class LiveTeacher(torch.nn.Module):
         return {"teacher_hidden": shift_flat(hidden), "teacher_weight": weight,
                 "teacher_head": head}
 
-    @torch.no_grad()
-    def cross_entropy_sum(self, batch: dict, weights: torch.Tensor, vocab_size=None):
-        """sum_i w_i * CE_i of the teacher on the batch's labels (for val perplexity)."""
-        t = self.targets(batch)
-        _, parts = linear_divergence(
-            t["teacher_hidden"], t["teacher_weight"], teacher_hidden=t["teacher_hidden"],
-            teacher_weight=t["teacher_weight"], student_head=t["teacher_head"],
-            teacher_head=t["teacher_head"], labels=shift_labels(batch["labels"]),
-            weights=weights, kind="forward_kl", vocab_size=vocab_size, return_components=True,
-        )
-        return parts["ce"]
-
 
 class CachedTeacher(torch.nn.Module):
     """Top-k teacher log-probs read from the offline cache: no teacher model is loaded.
 
     The cache must have been written for this run: its teacher, K and temperature are
-    checked here, its tokenizer, max length and data fingerprints by `check_data`, and
-    every example's tokens when its batch is served. The loss applies `sparse_mode`
-    (tail bucket or renormalize) to the returned (N, K) targets.
+    checked here, its tokenizer, max length and data fingerprints by `prepare`, and every
+    example's tokens when its batch is served. The loss applies `sparse_mode` (tail bucket
+    or renormalize) to the returned (N, K) targets.
     """
 
     model = None  # nothing to run, evaluate or checkpoint
@@ -88,15 +104,19 @@ class CachedTeacher(torch.nn.Module):
     def __init__(self, dir: str, teacher: str, top_k: int, temperature: float = 1.0,
                  sparse_mode: str = "tail"):
         super().__init__()
-        from distill.cache.reader import TeacherCache  # the cache imports this module
+        from distill.cache.reader import TeacherCache
 
-        if sparse_mode not in ("tail", "renormalize"):
-            raise ValueError(f"sparse_mode must be 'tail' or 'renormalize', got {sparse_mode!r}")
+        if sparse_mode not in SPARSE_MODES:
+            raise ValueError(f"sparse_mode must be one of {SPARSE_MODES}, got {sparse_mode!r}")
         self.cache = TeacherCache(dir)
         self.cache.expect("teacher", str(teacher))
         self.cache.expect("top_k", int(top_k))
         self.cache.expect("temperature", float(temperature))
-        self.sparse_mode = sparse_mode
+        self.sparse_mode, self.name = sparse_mode, str(teacher)
+
+    def prepare(self, datamodule, tokenizer) -> None:
+        self.check_data(datamodule, tokenizer)
+        self.prefetch_in(datamodule)
 
     def check_data(self, datamodule, tokenizer) -> None:
         """Refuse a cache written for another tokenizer, max length or data."""
@@ -119,7 +139,7 @@ class CachedTeacher(torch.nn.Module):
 
     @torch.no_grad()
     def targets(self, batch: dict) -> dict:
-        if "target_ids" in batch:  # read by the loader (prefetch_in)
+        if "target_ids" in batch:  # read by the loader (prepare)
             ids, logprobs = batch["target_ids"], batch["target_logprobs"]
         else:
             ids, logprobs = self.cache.batch_targets(batch)
@@ -138,3 +158,11 @@ class TargetsCollate:
         batch = self.collate(examples)
         batch["target_ids"], batch["target_logprobs"] = self.cache.batch_targets(batch)
         return batch
+
+
+def build_teacher(cfg: TeacherConfig, cache_dir: str | None, top_k: int | None,
+                  temperature: float, sparse_mode: str) -> LiveTeacher | CachedTeacher:
+    if cfg.kind == "live":
+        return LiveTeacher.load(cfg)
+    return CachedTeacher(cache_dir, cfg.name_or_path, top_k, temperature, sparse_mode)
+

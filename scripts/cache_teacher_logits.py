@@ -1,8 +1,10 @@
-"""Write the teacher-logit cache: `python scripts/cache_teacher_logits.py +experiment=offline_fkl`.
+"""Write the teacher-logit cache from a checkout: the same as `distill-cache`.
+
+    python scripts/cache_teacher_logits.py +experiment=offline_fkl
 
 Runs the teacher once over the training (and val) data as a Lightning predict job and
 stores the top-k log-probs of every trained position (docs/cache.md). Rerunning it
-finishes an interrupted cache; training then reads it with teacher=cached.
+finishes an interrupted cache; training then reads it with the same experiment.
 """
 
 import importlib.util
@@ -12,16 +14,7 @@ from pathlib import Path
 if importlib.util.find_spec("distill") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout, not installed
 
-import hydra
-from omegaconf import DictConfig
-
-from distill.cache.run import cache_teacher_logits
-
-
-@hydra.main(version_base="1.3", config_path="../conf", config_name="cache")
-def main(cfg: DictConfig) -> None:
-    cache_teacher_logits(cfg)
-
+from distill.cache.run import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -47,9 +47,7 @@ def compose_cfg(tiny_assets, tmp_path):
     def _compose(*overrides, out=None):
         base = [f"paths.output_dir={out or tmp_path / 'out'}",
                 f"student.name_or_path={tiny_assets['student']}",
-                # a cached teacher's model is the caching job's (cache.teacher)
-                ("cache." if any("offline" in o for o in overrides) else "")
-                + f"teacher.name_or_path={tiny_assets['teacher']}",
+                f"teacher.name_or_path={tiny_assets['teacher']}",
                 f"paths.data={tiny_assets['sft_train'].parent}",
                 "evaluate=null", "data.batch_size=4", "trainer.val_check_interval=5",
                 "trainer.log_every_n_steps=1", "callbacks.progress.refresh_rate=0"]

@@ -85,3 +85,38 @@ def make_tiny_assets(root: Path) -> dict:
     make_model(root / "student", len(tok), hidden=16, layers=1, seed=2, tie=True)
     return {"teacher": root / "teacher", "student": root / "student",
             **make_data(root / "data")}
+
+
+# --- the run's parts, built from a composed config as train() builds them ----------------
+def data_from(cfg, tokenizer, **overrides):
+    """The DistillDataModule of `cfg.data`, with settings replaced by `overrides`."""
+    from omegaconf import OmegaConf
+
+    from distill.data import DistillDataModule
+
+    return DistillDataModule(tokenizer, **{**OmegaConf.to_container(cfg.data, resolve=True),
+                                          **overrides})
+
+
+def teacher_from(cfg):
+    """The teacher of `cfg.teacher` (and `cfg.cache`), the other groups left unchecked."""
+    from distill.cache.job import CacheSettings
+    from distill.config import plain
+    from distill.objective import LossConfig
+    from distill.rules import parse
+    from distill.teachers import TeacherConfig, build_teacher
+
+    teacher = parse(TeacherConfig, plain(cfg.teacher), "teacher.")
+    loss = parse(LossConfig, plain(cfg.loss), "loss.")
+    cache = parse(CacheSettings, plain(cfg.cache), "cache.") if "cache" in cfg else None
+    return build_teacher(teacher, cache and cache.dir, cache and cache.top_k, loss.temperature,
+                         loss.sparse_mode)
+
+
+def student_from(cfg):
+    """The student of `cfg.student`, the other groups left unchecked."""
+    from distill.config import plain
+    from distill.lora import StudentConfig, load_student
+    from distill.rules import parse
+
+    return load_student(parse(StudentConfig, plain(cfg.student), "student."))

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from distill.losses import linear_divergence
-from distill.models import check_same_tokenizer, load_causal_lm, load_tokenizer
+from distill.models import load_causal_lm, load_tokenizer
+from distill.tokenizers import check_same_tokenizer
 from distill.train import train
 from tests.fixtures import make_tokenizer
 
@@ -17,9 +18,10 @@ def _tiny(n=5, v=11, h=4):
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(kind="kl"), "unknown loss kind 'kl'"),
-    (dict(temperature=0.0), "temperature must be > 0"),
-    (dict(temperature=-1.0), "temperature must be > 0"),
+    (dict(kind="kl"), "kind='kl': must be one of forward_kl, reverse_kl, jsd"),
+    (dict(temperature=0.0), "temperature=0.0: must be a finite number > 0 (it divides the "
+                            "logits)"),
+    (dict(temperature=-1.0), "temperature=-1.0: must be a finite number > 0"),
     (dict(kind="jsd", beta=0.0), "loss.kind=forward_kl or loss.kind=reverse_kl"),
     (dict(kind="jsd", beta=1.0), "strictly inside (0, 1)"),
     (dict(ce_weight=1.0), "ce_weight > 0 needs labels"),
@@ -48,10 +50,12 @@ def test_missing_model_path(compose_cfg, tmp_path):
 
 def test_different_tokenizers_are_refused(tmp_path, tiny_assets, compose_cfg):
     other = make_tokenizer(tmp_path / "other", extra_chars="#@")
-    with pytest.raises(ValueError, match="student and teacher tokenizers differ"):
+    with pytest.raises(ValueError, match="the student's tokenizer and the teacher's differ in "
+                       r"the vocabularies \(78 vs 80 tokens"):
         check_same_tokenizer(load_tokenizer(str(tiny_assets["teacher"])), other)
-    with pytest.raises(ValueError, match="tokenizers differ"):
-        train(compose_cfg("+experiment=sft_rkl", f"tokenizer={tmp_path / 'other'}"))
+    with pytest.raises(ValueError, match="student.tokenizer's tokenizer and the teacher's "
+                       "differ"):
+        train(compose_cfg("+experiment=sft_rkl", f"student.tokenizer={tmp_path / 'other'}"))
 
 
 def test_dataset_without_trainable_token(tmp_path, tiny_assets, compose_cfg):

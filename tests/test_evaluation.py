@@ -127,22 +127,23 @@ def test_no_examples_is_an_error(tokenizer):
 
 
 def test_summary_prints_the_recorded_reference_beside_the_student(capsys):
-    from omegaconf import OmegaConf
-
-    from distill.report import print_summary, reference
+    from distill.callbacks.task_eval import references_for
+    from distill.objective import LossConfig
+    from distill.report import print_summary
 
     ref = {"name": "CE-only", "overall": 0.125, "per_task": {"reversal": 0.05, "sorting": 0.2},
            "note": "mean of 3 seeds", "command": "python -m distill.train +experiment=x "
-           "loss.divergence_weight=0 loss.ce_weight=1"}
-    cfg = OmegaConf.create({"loss": {"divergence_weight": 1.0}, "evaluate": {"reference": ref}})
+           "+baseline=ce_only", "baseline": "ce_only"}
+    seqkd = {**ref, "name": "SeqKD", "baseline": "seqkd", "command": "... +baseline=seqkd"}
+    distilled = LossConfig(divergence_weight=1.0)
     summary = {"student_dir": None, "global_step": 3, "wall_s": 1.0, "metrics": {},
                "accuracy": {"distilled student": {"overall": 0.5, "per_task": {}}},
-               "reference": reference(cfg)}
+               "references": references_for([ref, seqkd], distilled)}
     print_summary(summary)
     out = capsys.readouterr().out
     assert " 12.5%   reversal 5%  sorting 20%   (mean of 3 seeds)" in out
-    assert "loss.divergence_weight=0 loss.ce_weight=1" in out
-    assert out.index("distilled student") < out.index("CE-only")
-    # the baseline's own run does not print itself as a reference
-    ce_cfg = OmegaConf.create({"loss": {"divergence_weight": 0.0}, "evaluate": {"reference": ref}})
-    assert reference(ce_cfg) is None
+    assert "+experiment=x +baseline=ce_only" in out
+    assert out.index("distilled student") < out.index("CE-only") < out.index("SeqKD")
+    # a baseline's own run does not print itself as a reference
+    ce_only = LossConfig(divergence_weight=0.0, ce_weight=1.0)
+    assert [r["name"] for r in references_for([ref, seqkd], ce_only)] == ["SeqKD"]

@@ -17,14 +17,14 @@ import torch
 import transformers as tf
 
 from distill.callbacks.head_check import head_mismatch
+from distill.data.shift import shift_flat, shift_labels
 from distill.losses import linear_divergence
-from distill.losses.reference import divergence_from_logprobs
-from distill.losses.spec import DivergenceSpec, HeadTransform
 from distill.models import final_hidden_states, lm_head, load_causal_lm
-from distill.teachers import shift_flat, shift_labels
+from distill.ops.spec import DivergenceSpec, HeadTransform
 from distill.train import train
 from tests.conftest import TOLERANCES
 from tests.fixtures import make_tokenizer
+from tests.reference import divergence_from_logprobs
 
 LLAMA_LIKE = dict(hidden_size=32, intermediate_size=48, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=128)
@@ -221,6 +221,6 @@ def test_real_model_recipe_never_falls_back_to_the_demo_data(family_dirs, compos
     train_only = f"data.train=[{{name: a, kind: sft, path: {tiny_assets['sft_train']}}}]"
     for data in ([], [train_only]):  # no data at all; a train set but no val set
         cfg = compose_cfg("+experiment=hf_sft", *models, "paths.data=???", *data)
-        with pytest.raises(ConfigError, match=r"data\.(train|val) cannot be resolved .*"
+        with pytest.raises(ConfigError, match=r"data\.(train|val)\[0\]\.path cannot be resolved .*"
                                               r"Missing mandatory value: paths\.data"):
             train(cfg)

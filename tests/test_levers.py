@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from distill.levers import Speed, apply_levers, decoder_layers
 from distill.models import final_hidden_states
+from distill.rules import parse
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,15 +32,24 @@ def hidden_and_grads(model, ids):
 
 
 def test_config_errors_name_the_key_and_the_fix():
-    with pytest.raises(ValueError, match=r"unknown speed option\(s\) \['complie'\]"):
-        Speed.from_config({"complie": True})
-    with pytest.raises(ValueError, match="speed.compile must be true or false, got 'no'"):
-        Speed.from_config({"compile": "no"})
-    with pytest.raises(ValueError, match="speed.attention='flash'.*sdpa"):
-        Speed.from_config({"attention": "flash"})
-    assert Speed.from_config(None).active() == []
-    assert Speed.from_config({"gradient_checkpointing": True, "attention": "eager"}).active() \
-        == ["gradient_checkpointing", "attention=eager"]
+    with pytest.raises(ValueError, match=r"speed.complie: unknown key \(did you mean "
+                       r"speed.compile\?\)"):
+        parse(Speed, {"complie": True}, "speed.")
+    with pytest.raises(ValueError, match="speed.compile='no': must be true or false"):
+        parse(Speed, {"compile": "no"}, "speed.")
+    with pytest.raises(ValueError, match="speed.attention='flash': must be one of sdpa"):
+        parse(Speed, {"attention": "flash"}, "speed.")
+    assert parse(Speed, None, "speed.").active() == []
+    assert parse(Speed, {"gradient_checkpointing": True, "attention": "eager"},
+                 "speed.").active() == ["gradient_checkpointing", "attention=eager"]
+
+
+def test_compile_with_liger_is_refused_before_anything_loads(compose_cfg):
+    from distill.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="speed.compile=true with speed.liger=true: Liger's "
+                       "autograd Functions inside a compiled decoder layer stop dynamo"):
+        validate(compose_cfg("+experiment=sft_rkl", "speed.compile=true", "speed.liger=true"))
 
 
 def test_gradient_checkpointing_recomputes_and_keeps_every_gradient():

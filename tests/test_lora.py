@@ -11,7 +11,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from distill.lora import check_lora, load_exported, load_student
+from distill.lora import LoraConfig, load_exported, load_student
 
 LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 RUNS: list = []  # what Probe saw, one entry per run
@@ -76,16 +76,16 @@ def test_settings_reach_peft(tiny_assets):
     # what trains is fp32 even on a bf16 base
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
     assert wrapped["q_proj"].base_layer.weight.dtype == torch.bfloat16
-    assert check_lora({"r": None, "alpha": 4}) is None  # r=null: full fine-tuning
+    assert not LoraConfig(r=None, alpha=4).enabled  # r=null: full fine-tuning
 
 
 @pytest.mark.parametrize("lora, match", [
-    ({"r": 0}, "lora.r=0: the adapter rank must be an integer >= 1"),
+    ({"r": 0}, r"student.lora.r=0: must be an integer >= 1 or null \(the LoRA rank"),
     ({"r": "8"}, "lora.r='8'"),
-    ({"r": 4, "alpha": -1}, "lora.alpha=-1: must be a number > 0"),
-    ({"r": 4, "dropout": 1.0}, r"lora.dropout=1.0: must be in \[0, 1\)"),
+    ({"r": 4, "alpha": -1}, "lora.alpha=-1: must be a finite number > 0"),
+    ({"r": 4, "dropout": 1.0}, r"lora.dropout=1.0: must be a number in \[0, 1\)"),
     ({"r": 4, "train_head": "no"}, "lora.train_head='no': must be true or false"),
-    ({"r": 4, "rank": 8}, r"unknown key\(s\) \['rank'\]"),
+    ({"r": 4, "rank": 8}, r"student.lora.rank: unknown key"),
     ({"r": 4, "target_modules": ["lm_head"]}, "reaches the LM head.*train_head=true"),
     ({"r": 4, "target_modules": ["nope_proj"]}, "target_modules=\\['nope_proj'\\]"),
 ])
@@ -169,10 +169,10 @@ def test_resume_from_checkpoint_continues_the_same_run(compose_cfg, tmp_path):
 
 
 def test_bench_script_runs_tiny_on_cpu(tmp_path):
-    """scripts/bench_lora.py --tiny: the GPU benchmark's code path, in seconds on a CPU."""
+    """bench/bench_lora.py --tiny: the GPU benchmark's code path, in seconds on a CPU."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "scripts/bench_lora.py"
+    path = Path(__file__).resolve().parents[1] / "bench/bench_lora.py"
     spec = importlib.util.spec_from_file_location("bench_lora", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -10,24 +10,28 @@ import torch
 
 from distill.models import load_causal_lm
 from distill.module import DistillModule
-from distill.rollout import HFSampler, OnPolicy, prompt_length, rollout, window_seed
+from distill.onpolicy.config import OnPolicyConfig
+from distill.onpolicy.rollout import prompt_length, rollout, window_seed
+from distill.onpolicy.samplers import HFSampler, SamplingSettings
+from distill.rules import ConfigError, parse
 from distill.teachers import LiveTeacher
 
 EOS = 3
 
 
 @pytest.mark.parametrize("cfg,message", [
-    ({"fraction": 1.5}, "loss.on_policy.fraction=1.5 is out of range"),
-    ({"fraction": -0.1}, "loss.on_policy.fraction=-0.1 is out of range"),
-    ({"top_p": 0.0}, "loss.on_policy.top_p=0.0 is out of range"),
-    ({"temperature": -1.0}, "loss.on_policy.temperature=-1.0 is out of range"),
-    ({"max_new_tokens": 0}, "loss.on_policy.max_new_tokens=0 is out of range"),
-    ({"max_new_tokens": True}, "loss.on_policy.max_new_tokens=True is out of range"),
-    ({"fractoin": 0.5}, r"loss.on_policy has no key\(s\) \['fractoin'\]"),
+    ({"fraction": 1.5}, "loss.on_policy.fraction=1.5: must be a finite number >= 0 and <= 1"),
+    ({"fraction": -0.1}, "loss.on_policy.fraction=-0.1: must be a finite number >= 0"),
+    ({"top_p": 0.0}, "loss.on_policy.top_p=0.0: must be a finite number > 0 and <= 1"),
+    ({"temperature": -1.0}, "loss.on_policy.temperature=-1.0: must be a finite number >= 0"),
+    ({"max_new_tokens": 0}, "loss.on_policy.max_new_tokens=0: must be an integer >= 1"),
+    ({"max_new_tokens": True}, "loss.on_policy.max_new_tokens=True: must be an integer >= 1"),
+    ({"fractoin": 0.5}, r"loss.on_policy.fractoin: unknown key \(did you mean "
+                        r"loss.on_policy.fraction\?\)"),
 ])
 def test_bad_on_policy_settings_are_refused(cfg, message):
-    with pytest.raises(ValueError, match=message):
-        OnPolicy.from_config(cfg)
+    with pytest.raises(ConfigError, match=message):
+        parse(OnPolicyConfig, cfg, "loss.on_policy.")
 
 
 def test_prompt_is_everything_before_the_first_trained_label():
@@ -68,8 +72,8 @@ def _window():
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_rollout_rewrites_the_chosen_rows(fraction):
     sampler, window = TableSampler(), _window()
-    cfg = OnPolicy(fraction=fraction, max_new_tokens=4)
-    out, stats = rollout(window, sampler, None, cfg, seed=13, pad_id=0, eos_ids=[EOS])
+    cfg = OnPolicyConfig(fraction=fraction, max_new_tokens=4)
+    out, stats = rollout(window, cfg, 13, 0, [EOS], sampler, None)
     g = torch.Generator().manual_seed(13)
     draw = torch.rand(3, generator=g).tolist()
     chosen = [draw[0] < fraction, draw[1] < fraction, True]  # the prompt-only row: always
@@ -104,10 +108,10 @@ def test_rollout_refuses_packed_and_left_padded_rows():
     window = _window()
     packed = [{**window[0], "position_ids": torch.zeros_like(window[0]["input_ids"])}]
     with pytest.raises(ValueError, match="set data.packing=false"):
-        rollout(packed, TableSampler(), None, OnPolicy(fraction=1.0), 0, 0, [EOS])
+        rollout(packed, OnPolicyConfig(fraction=1.0), 0, 0, [EOS], TableSampler(), None)
     left = [{**window[1], "attention_mask": torch.tensor([[0, 1, 1, 1]])}]
     with pytest.raises(ValueError, match="need right-padded rows"):
-        rollout(left, TableSampler(), None, OnPolicy(fraction=1.0), 0, 0, [EOS])
+        rollout(left, OnPolicyConfig(fraction=1.0), 0, 0, [EOS], TableSampler(), None)
 
 
 def test_window_seed_depends_on_every_part():
@@ -123,7 +127,8 @@ def _student(path: str):
 
 
 def _sampler(model, temperature=1.0, top_p=1.0, n=6, vocab=None):
-    return HFSampler(temperature, top_p, n, [model.config.eos_token_id], 0, vocab)
+    return HFSampler(SamplingSettings(temperature, top_p, n, [model.config.eos_token_id], 0,
+                                      vocab))
 
 
 def test_sampler_is_seeded_restores_modes_and_rng(tiny_assets):
@@ -210,19 +215,28 @@ class SpyTeacher(LiveTeacher):
         return super().targets(batch)
 
 
+def test_ce_only_with_the_students_own_samples_is_refused(tiny_assets):
+    """CE-only trains nothing on the student's own samples (no divergence, no CE on them):
+    the combination is refused, pointing to ce_only and seqkd."""
+    teacher = SpyTeacher(str(tiny_assets["teacher"]))
+    with pytest.raises(ConfigError, match=r"the student's own samples would train nothing.*"
+                       r"\+baseline=ce_only.*\+baseline=seqkd"):
+        _module(tiny_assets, teacher, on_policy={"fraction": 1.0}, divergence_weight=0.0,
+                ce_weight=1.0)
+
+
 def test_ce_only_arm_never_samples_nor_runs_the_teacher(tiny_assets):
     teacher = SpyTeacher(str(tiny_assets["teacher"]))
-    module = _module(tiny_assets, teacher, on_policy={"fraction": 1.0}, divergence_weight=0.0,
+    module = _module(tiny_assets, teacher, on_policy={"fraction": 0.0}, divergence_weight=0.0,
                      ce_weight=1.0)
-    assert not module.rolls_out
+    assert not module.rewrites_windows and module.onpolicy is None
     window = _window()
-    assert module.rollout_window(window, 0, 0) is window  # untouched: the labels alone
     batch = {k: v for k, v in window[0].items() if k != "example_id"}
     batch["input_ids"] = batch["input_ids"] + 10
     batch["labels"] = torch.where(batch["labels"] >= 0, batch["input_ids"], -100)
     weights = (batch["labels"][:, 1:] != -100).flatten().float()
     SpyTeacher.calls = 0
-    loss, parts = module._divergence(batch, weights, train=True)
+    loss, parts, _ = module.objective.train(module.student, batch, weights)
     assert SpyTeacher.calls == 0
     # the loss is the plain cross-entropy of the labels, in float64
     with torch.no_grad():
@@ -244,17 +258,16 @@ def test_teacher_fraction_lets_the_teacher_write_some_samples():
                "labels": torch.full((8, 4), -100)}]
     for share in (0.0, 0.5, 1.0):
         sampler = BySource()
-        cfg = OnPolicy(fraction=1.0, teacher_fraction=share)
-        out, _ = rollout(window, sampler, "student", cfg, seed=5, pad_id=0, eos_ids=[EOS],
-                         teacher="teacher")
+        cfg = OnPolicyConfig(fraction=1.0, teacher_fraction=share)
+        out, _ = rollout(window, cfg, 5, 0, [EOS], sampler, "student", sampler, "teacher")
         who = torch.rand(2, 8, generator=torch.Generator().manual_seed(5))[1] < share
         assert torch.equal(out[0]["by_teacher"], who) and out[0]["sampled"].all()
         assert out[0]["input_ids"][:, 4].tolist() == [40 if w else 41 for w in who]
         assert [c[0] for c in sampler.calls] == [m for m, n in (("student", (~who).sum()),
                                                                 ("teacher", who.sum())) if n]
     with pytest.raises(ValueError, match="teacher_fraction > 0 needs the teacher model"):
-        rollout(window, BySource(), "student", OnPolicy(fraction=1.0, teacher_fraction=1.0),
-                seed=5, pad_id=0, eos_ids=[EOS])
+        rollout(window, OnPolicyConfig(fraction=1.0, teacher_fraction=1.0), 5, 0, [EOS],
+                BySource(), "student")
 
 
 @pytest.mark.gpu
@@ -285,5 +298,6 @@ def test_on_policy_without_the_counter_is_an_error(tiny_assets):
                      on_policy={"fraction": 1.0})
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False)
-    with pytest.raises(RuntimeError, match="samples each step's window in the StepTokenCounter"):
+    with pytest.raises(RuntimeError, match="samples each step's window before it trains it, "
+                       "and this train loader hands out no windows"):
         trainer.fit(module, train_dataloaders=DataLoader(_window()[:1], batch_size=None))

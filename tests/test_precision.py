@@ -7,9 +7,9 @@ keep the trainable student's weights in a dtype where it does not.
 
 import pytest
 import torch
-from hydra.utils import instantiate
 
 from distill.models import trainable_dtype
+from tests.fixtures import student_from
 
 
 def moved_fraction(dtype: torch.dtype, steps: int = 10, lr: float = 1e-5) -> float:
@@ -30,7 +30,7 @@ def test_default_gpu_config_keeps_small_updates(compose_cfg, tiny_assets, preset
                       f"teacher.name_or_path={tiny_assets['teacher']}")
     dtype = trainable_dtype(cfg.student.dtype, cfg.trainer.precision)
     assert dtype == torch.float32
-    student = instantiate(cfg.student)  # what the composed config really loads
+    student = student_from(cfg)  # what the composed config really loads
     assert {p.dtype for p in student.parameters() if p.requires_grad} == {dtype}
     assert moved_fraction(dtype) > 0.99
     assert cfg.teacher.dtype == "bfloat16"  # the frozen teacher is bf16 on GPUs
@@ -57,8 +57,8 @@ def test_loss_under_autocast_keeps_fp32_logits(kind):
     """bf16-mixed runs the loss inside autocast with fp32 master weights: its GEMMs take
     bf16 operands (as autocast would) but the logits and everything after stay fp32."""
     from distill.losses import linear_divergence
-    from distill.losses.reference import divergence_from_logprobs
-    from distill.losses.spec import DivergenceSpec
+    from distill.ops.spec import DivergenceSpec
+    from tests.reference import divergence_from_logprobs
 
     n, v = 37, 1271
     hs = torch.randn(n, 48, requires_grad=True)

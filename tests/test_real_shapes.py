@@ -1,4 +1,4 @@
-"""scripts/make_real_shape_models.py: the real shapes are right, and the whole script
+"""bench/make_real_shape_models.py: the real shapes are right, and the whole script
 (build, then the training CLI) runs on CPU at tiny shapes."""
 
 import importlib.util
@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("real_shapes",
-                                               ROOT / "scripts/make_real_shape_models.py")
+                                               ROOT / "bench/make_real_shape_models.py")
 real_shapes = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(real_shapes)
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, DistributedSampler
 
-from distill.data import DistillDataModule
+from distill.data import DistillDataModule, StepWindows
 from distill.models import load_tokenizer
 from distill.train import train
 from tests.callbacks import proof
@@ -24,13 +23,15 @@ def assets(tiny_assets) -> str:
 
 
 class ShardedData(DistillDataModule):
-    """Shuffled by a DistributedSampler, as under DDP: the order is a function of the epoch
-    number Lightning gives the sampler."""
+    """A loader of the user's own, shuffled by a DistributedSampler as under DDP and windowed
+    by StepWindows.from_loader: the order is a function of the epoch number the windows give
+    the sampler (set_epoch), which must be the data's epoch after a resume too."""
 
     def train_dataloader(self):
         sampler = DistributedSampler(self.train_set, num_replicas=1, rank=0, seed=3)
-        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler,
-                          collate_fn=self.collate)
+        loader = DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler,
+                            collate_fn=self.collate)
+        return StepWindows.from_loader(loader, self.trainer.accumulate_grad_batches)
 
 
 def _fit(assets, tiny_assets, ckpt_dir, *, max_steps, ckpt_path=None, k=5, batch_size=4,
@@ -121,7 +122,7 @@ def test_another_k_from_an_epoch_end_checkpoint_runs_exact_windows(assets, tiny_
 
     class Windows(proof.GradCapture):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            seen.append(pl_module.step_counts.micro_batches)
+            seen.append(pl_module.sums.counts.micro_batches)
 
     capture = Windows()
     save = ModelCheckpoint(dirpath=tmp_path / "more", save_last=True, save_top_k=0)
@@ -157,7 +158,7 @@ def test_a_missing_checkpoint_file_is_refused_before_loading(compose_cfg, tmp_pa
         train(compose_cfg("+experiment=sft_rkl", f"ckpt_path={tmp_path / 'nope.ckpt'}"))
 
 
-def test_last_finds_a_sharded_checkpoint_folder(tmp_path):
+def test_last_finds_a_sharded_checkpoint_folder(tmp_path, compose_cfg):
     """FSDP's sharded checkpoints are folders: `last` and an explicit path accept them."""
     from distill.config import problems
     from distill.resume import resolve_ckpt_path
@@ -167,4 +168,4 @@ def test_last_finds_a_sharded_checkpoint_folder(tmp_path):
     (folder / "__0_0.distcp").write_bytes(b"x")
     save = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True)
     assert resolve_ckpt_path("last", [save]) == str(folder)
-    assert problems(OmegaConf.create({"ckpt_path": str(folder)})) == []
+    assert problems(compose_cfg(f"ckpt_path={folder}")) == []

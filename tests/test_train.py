@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from distill.module import DistillModule
 from distill.train import train
+from tests.fixtures import student_from, teacher_from
 
 EXPERIMENTS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf/experiment").glob("*.yaml"))
 LIVE = [e for e in EXPERIMENTS if not e.startswith("offline")]
@@ -26,15 +27,15 @@ def _train_losses(out: Path) -> list[float]:
 def test_experiment_composes_and_instantiates(experiment, compose_cfg):
     cfg = compose_cfg(f"+experiment={experiment}")
     assert OmegaConf.select(cfg, "loss.kind") in ("forward_kl", "reverse_kl", "jsd")
-    student = instantiate(cfg.student)
+    student = student_from(cfg)
     if experiment in LIVE:
-        teacher = instantiate(cfg.teacher)
+        teacher = teacher_from(cfg)
     else:  # a cached teacher needs its cache: tests/cache/test_offline_train.py trains it
-        assert cfg.teacher._target_ == "distill.teachers.CachedTeacher"
+        assert cfg.teacher.kind == "cached"
         teacher = None
-    module = DistillModule(student, teacher, loss=OmegaConf.to_container(cfg.loss),
+    module = DistillModule(student, teacher, loss=OmegaConf.to_container(cfg.loss, resolve=True),
                            optimizer=instantiate(cfg.optimizer))
-    assert module.loss_fn.spec.kind == cfg.loss.kind
+    assert module.cfg.kind == module.objective.spec.kind == cfg.loss.kind
     trainer = instantiate(cfg.trainer, callbacks=[instantiate(c) for c in cfg.callbacks.values()])
     assert trainer.max_steps == cfg.trainer.max_steps
 

@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from distill.constants import IGNORE_INDEX
+
 FORMAT = "distill-teacher-cache"
 VERSION = 2  # 2: a sha256 per shard (distill.cache.verify)
-IGNORE_INDEX = -100
 VALUE_DTYPES = ("float16", "bfloat16")
 
 # One row per example. Lists are flat: `ids` and `logprobs_bits` hold n * K values

@@ -16,6 +16,7 @@ from __future__ import annotations
 import shutil
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,24 +40,34 @@ from distill.cache.format import (
 from distill.cache.plan import Plan, ShardBatches, describe
 from distill.cache.verify import file_sha256, recorded, shard_problem
 from distill.cache.writer import ShardWriter, TopKPredictor
+from distill.rules import Rule, check, choice, integer, number, setting, text
 
 
-@dataclass
+def _splits(v) -> bool:
+    return isinstance(v, Sequence) and not isinstance(v, str) and len(v) > 0 and \
+        all(s in ("train", "val") for s in v)
+
+
+@dataclass(frozen=True)
 class CacheSettings:
-    dir: str
-    top_k: int = 64
-    dtype: str = "float16"  # of the stored log-probs: float16 | bfloat16
-    temperature: float = 1.0
-    shard_size: int = 256  # examples per shard
-    batch_size: int = 8
-    chunk: int | None = None  # rows per top-k chunk; None fills a fixed logits budget
-    num_workers: int = 0
+    """`cache:` where the teacher-logit cache lives and how the caching job writes it.
+    The log-probs are stored at the training temperature (`loss.temperature`)."""
+
+    dir: str = setting(rule=text())
+    top_k: int = setting(64, integer(1, what=" (K, ids kept per position)"))
+    dtype: str = setting("float16", choice(VALUE_DTYPES))  # of the stored log-probs
+    temperature: float = setting(1.0, number(0, strict=True))
+    shard_size: int = setting(256, integer(1))  # examples per shard
+    batch_size: int = setting(8, integer(1))
+    chunk: int | None = setting(None, integer(1, null=True,
+                                              what=" (rows per top-k chunk; null: a fixed "
+                                                   "logits budget)"))
+    num_workers: int = setting(0, integer(0))
+    splits: list[str] = setting(("train", "val"), Rule(_splits, "a non-empty list of train "
+                                                              "and/or val"))
 
     def __post_init__(self):
-        if self.dtype not in VALUE_DTYPES:
-            raise ValueError(f"cache.dtype must be one of {VALUE_DTYPES}, got {self.dtype!r}")
-        if self.top_k < 1 or self.shard_size < 1 or self.batch_size < 1:
-            raise ValueError("cache.top_k, cache.shard_size and cache.batch_size must be >= 1")
+        check(self)
 
 
 class CacheData(L.LightningDataModule):

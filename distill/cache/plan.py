@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from distill.cache.format import data_fingerprint, example_hash, shard_path
+from distill.constants import IGNORE_INDEX
 
 
 @dataclass
@@ -43,7 +44,7 @@ def describe(ds) -> SplitInfo:
             ids.append(eid)
             hashes.append(example_hash(x, y))
             lengths.append(len(x))
-            tokens.append(int((y[1:] != -100).sum()))
+            tokens.append(int((y[1:] != IGNORE_INDEX).sum()))
     if len(set(ids)) != len(ids):
         raise ValueError("example ids are not unique: the cache aligns examples by id "
                          "(give every data source a distinct name)")

@@ -35,7 +35,7 @@ from distill.cache.verify import (
 )
 
 OPEN_SHARDS = 64
-REBUILD = ("Rebuild it for this run (python scripts/cache_teacher_logits.py with the same "
+REBUILD = ("Rebuild it for this run (distill-cache with the same "
            "experiment and overrides) or point cache.dir at a matching cache.")
 
 

@@ -1,50 +1,62 @@
-"""`cache_teacher_logits(cfg)`: the caching job built from a Hydra config (conf/cache.yaml).
+"""`cache_teacher_logits(cfg)`: the caching job, built from the training config itself.
 
-The thin @hydra.main wrapper is scripts/cache_teacher_logits.py; tests call this directly.
+`distill-cache +experiment=offline_fkl` (or `python -m distill.cache.run`) reads the same
+config as `distill-train +experiment=offline_fkl`: the teacher (`teacher.name_or_path`), the
+data and its tokenization, `loss.temperature` and the `cache:` block. So the cache and the
+runs that read it cannot disagree on what was cached. Tests call `cache_teacher_logits`.
 """
 
 from __future__ import annotations
 
 import shlex
 
+import hydra
 import lightning as L
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig
 
-from distill.cache.job import CacheJob, CacheSettings
-from distill.config import validate
-from distill.models import DEMO_ASSETS, check_head_rows, load_tokenizer
-from distill.paths import register_resolvers
+from distill.assemble import build_callbacks, instantiate
+from distill.cache.job import CacheJob
+from distill.config import parse
+from distill.data import DistillDataModule
+from distill.models import check_head_rows, load_causal_lm, load_tokenizer
+from distill.paths import RunLock, is_launch_rank, register_resolvers
 
-if not OmegaConf.has_resolver("distill_demo"):
-    OmegaConf.register_new_resolver("distill_demo", lambda: str(DEMO_ASSETS))
-register_resolvers()  # ${distill_output_dir:}: Hydra's run or sweep-job folder
+register_resolvers()
 
 
 def cache_teacher_logits(cfg: DictConfig) -> dict:
-    validate(cfg)  # types and ranges, before the teacher loads
-    L.seed_everything(cfg.seed)
-    c = cfg.cache
-    teacher = instantiate(c.teacher)  # a LiveTeacher: the model whose top-k we keep
-    tokenizer = load_tokenizer(teacher.tokenizer_path)
-    check_head_rows(teacher.model, len(tokenizer), "teacher")
-    data = instantiate(cfg.data, tokenizer=tokenizer)
+    run = parse(cfg)  # every setting, before the teacher loads
+    if run.cache is None:
+        raise ValueError("the caching job needs the cache: block (cache.dir, cache.top_k): add "
+                         "teacher=cached, or an experiment that sets it (+experiment="
+                         "offline_fkl, +experiment=hf_offline)")
+    L.seed_everything(run.seed)
+    c = run.cache
+    # the teacher's: what the cache records (training compares the student's with it)
+    tokenizer = load_tokenizer(run.teacher.tokenizer_path)
+    data = DistillDataModule(tokenizer, run.data)
     # the cache is per example, whether training packs them (data.packing) or not
     data.packing = False
     data.setup("fit")
     splits = {"train": data.train_set, "val": data.val_set}
     splits = {k: v for k, v in splits.items() if k in c.splits and v is not None}
-    settings = CacheSettings(dir=c.dir, top_k=c.top_k, dtype=c.dtype,
-                             temperature=c.temperature, shard_size=c.shard_size,
-                             batch_size=c.batch_size, chunk=c.chunk,
-                             num_workers=c.num_workers)
-    job = CacheJob(settings, splits, data.collate, teacher_name=c.teacher.name_or_path,
+    job = CacheJob(c, splits, data.collate, teacher_name=run.teacher.name_or_path,
                    tokenizer=tokenizer, max_length=data.max_length, command=_command())
-    # each rank picks its own shards, so Lightning must not add a DistributedSampler
-    callbacks = [instantiate(cb) for cb in (cfg.get("callbacks") or {}).values() if cb]
+    model = load_causal_lm(run.teacher.name_or_path, dtype=run.teacher.dtype,
+                           attn_implementation=run.teacher.attn_implementation)
+    check_head_rows(model, len(tokenizer), "teacher")
+    # the run's callbacks that act in a predict job (the progress bar, one's own); each rank
+    # picks its own shards, so Lightning must not add a DistributedSampler
+    callbacks = [cb for cb in build_callbacks(cfg, None, tokenizer)
+                 if not isinstance(cb, ModelCheckpoint)]
     trainer = instantiate(cfg.trainer, callbacks=[job.writer, *callbacks], logger=False,
                           use_distributed_sampler=False, enable_checkpointing=False)
-    return job.run(trainer, teacher.model)
+    lock = RunLock(c.dir) if is_launch_rank() else None
+    if lock is None:
+        return job.run(trainer, model)
+    with lock:  # one caching job per cache folder
+        return job.run(trainer, model)
 
 
 def _command() -> str | None:
@@ -54,4 +66,13 @@ def _command() -> str | None:
     if not HydraConfig.initialized():
         return None
     args = " ".join(shlex.quote(o) for o in HydraConfig.get().overrides.task)
-    return f"python scripts/cache_teacher_logits.py {args}"
+    return f"distill-cache {args}"
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    cache_teacher_logits(cfg)
+
+
+if __name__ == "__main__":
+    main()

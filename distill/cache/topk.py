@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from distill.losses.spec import HeadTransform
-from distill.ops.linear_divergence import _project
+from distill.ops.chunked import _project
+from distill.ops.spec import HeadTransform
 
 # fp32 logits per chunk, in bytes
 CHUNK_BUDGET_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}

@@ -41,7 +41,7 @@ class CacheDamaged(RuntimeError):
 
 def repair_hint(root: Path, meta: dict | None) -> str:
     command = (meta or {}).get("command") or (
-        f"python scripts/cache_teacher_logits.py <the experiment and overrides of this cache> "
+        f"distill-cache <the experiment and overrides of this cache> "
         f"cache.dir={root}")
     return f"{command} (the caching job checks every shard and rewrites the damaged ones)"
 

@@ -19,9 +19,9 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from distill.cache.format import SCHEMA, shard_path, tmp_path
 from distill.cache.topk import topk_logprobs
 from distill.cache.verify import record_and_publish
-from distill.losses.spec import HeadTransform
+from distill.constants import IGNORE_INDEX
+from distill.data.shift import shift_flat, shift_labels
 from distill.models import final_hidden_states, lm_head
-from distill.teachers import shift_flat, shift_labels
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -38,9 +38,8 @@ class TopKPredictor(L.LightningModule):
         hidden = final_hidden_states(self.model, batch["input_ids"],
                                      batch.get("attention_mask"), batch.get("position_ids"))
         weight, head = lm_head(self.model)
-        if head.bias is not None:
-            head = HeadTransform(head.bias[: self.vocab], head.scale, head.softcap)
-        rows = (shift_labels(batch["labels"]) != -100).nonzero().squeeze(-1)  # trained only
+        head = head.rows(self.vocab)
+        rows = (shift_labels(batch["labels"]) != IGNORE_INDEX).nonzero().squeeze(-1)  # trained
         ids, logprobs = topk_logprobs(shift_flat(hidden)[rows], weight[: self.vocab],
                                       self.top_k, self.temperature, head, self.chunk)
         return {"rows": rows.cpu(), "ids": ids.cpu(),

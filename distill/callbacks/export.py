@@ -3,25 +3,33 @@
 A LoRA student (distill/lora.py) is saved as its adapter in PEFT's format (plus the LM head
 when it trained), or with `merge=True` as the plain model with the adapters folded in.
 
-A folder already there (an earlier run's export in a reused output dir, or a resumed run's)
-is never overwritten: it is renamed to `student.<its date_time>` first, with a log line.
+The export is written to a temporary folder beside its final name and renamed into place
+when complete, so a kill or a full disk never leaves a half-written student where a good one
+was. A folder already there (an earlier run's export in a reused output dir, or a resumed
+run's) is never overwritten: it is renamed to `student.<its date_time>` first, with a log
+line. Nothing non-finite is exported: a student with a NaN or infinite weight is refused.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from datetime import datetime
 from pathlib import Path
 
 import lightning as L
+import torch
+
+from distill.rules import boolean, text
 
 log = logging.getLogger(__name__)
 
 
 class ExportStudent(L.Callback):
+    SETTINGS = {"merge": boolean(), "dirpath": text()}  # checked before anything loads
+
     def __init__(self, dirpath: str, tokenizer=None, merge: bool = False):
-        if not isinstance(merge, bool):
-            raise ValueError(f"callbacks.export.merge={merge!r}: must be true or false")
         self.dirpath = Path(dirpath)
         self.tokenizer = tokenizer
         self.merge = merge  # LoRA students: save the merged model rather than the adapter
@@ -33,15 +41,32 @@ class ExportStudent(L.Callback):
         full = getattr(trainer.strategy, "full_state_dict", None)  # DistillFSDP, sharded ckpts
         state = full() if full else trainer.strategy.lightning_module_state_dict()
         if trainer.is_global_zero:
-            move_aside(self.dirpath)
             student = {k.removeprefix("student."): v for k, v in state.items()
                        if k.startswith("student.") and k.removeprefix("student.")
                        not in _tied_aliases(pl_module.student)}
-            save_student(pl_module.student, student, self.dirpath, self.merge)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(self.dirpath)
+            check_finite(student, "the trained student")
+            tmp = self.dirpath.with_name(f".{self.dirpath.name}.tmp-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                save_student(pl_module.student, student, tmp, self.merge)
+                if self.tokenizer is not None:
+                    self.tokenizer.save_pretrained(tmp)
+                move_aside(self.dirpath)
+                os.replace(tmp, self.dirpath)  # the whole folder appears at once
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
         trainer.strategy.barrier("export")  # the other ranks may read the folder next
         self.saved_to = self.dirpath
+
+
+def check_finite(state: dict, what: str) -> None:
+    """Refuse to export weights that hold NaN or inf: nothing non-finite leaves a run."""
+    bad = [k for k, v in state.items()
+           if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ValueError(f"{what} has non-finite weights ({len(bad)} tensors, e.g. {bad[:3]}): "
+                         "not exported. The run diverged; resume from an earlier checkpoint "
+                         "with a lower optimizer.lr")
 
 
 def save_student(model, state: dict, dirpath: Path, merge: bool) -> None:

@@ -14,7 +14,6 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from distill.losses.reference import apply_head
 from distill.models import final_hidden_states, lm_head
 
 # Max |difference| as a fraction of the largest |logit|, by the lowest precision among
@@ -42,7 +41,7 @@ def head_mismatch(model, input_ids: torch.Tensor, vocab: int | None = None,
             vocab = vocab or weight.shape[0]
             # fp32 outside autocast, as the fused loss takes its logits out of the GEMM
             with torch.autocast(hidden.device.type, enabled=False):
-                ours = apply_head(hidden.float(), weight[:vocab].float(), _fp32(head, vocab))
+                ours = _fp32(head, vocab).logits(hidden.float(), weight[:vocab].float())
     finally:
         model.train(was_training)
     theirs_f = theirs[..., :vocab].float()

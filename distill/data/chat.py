@@ -26,7 +26,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-IGNORE_INDEX = -100
+from distill.constants import IGNORE_INDEX
+
 MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 
 

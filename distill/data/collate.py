@@ -1,13 +1,34 @@
-"""Pad a list of tokenized examples (or packed rows) into one batch dict (right padding)."""
+"""Padding: one helper for every padded tensor of the package, and the batch collator.
+
+`pad` is used wherever rows of token ids become a tensor: the collator (right padding),
+the rollout's rewritten rows, and the samplers' and the evaluation's prompts (left padding,
+so every prompt ends where generation begins).
+"""
 
 from __future__ import annotations
 
 import torch
 
-from distill.data.tokenize import IGNORE_INDEX
+from distill.constants import IGNORE_INDEX
+
+
+def pad(rows: list, value: int, width: int | None = None, side: str = "right"):
+    """(len(rows), width) int64 tensor of the rows padded with `value` on `side`, and the
+    (len(rows), width) attention mask (1 on the rows' own tokens)."""
+    width = max((len(r) for r in rows), default=0) if width is None else width
+    out = torch.full((len(rows), width), value, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        k = len(row)
+        where = slice(0, k) if side == "right" else slice(width - k, width)
+        out[i, where] = torch.as_tensor(row, dtype=torch.long)
+        mask[i, where] = 1
+    return out, mask
 
 
 class PadCollator:
+    """Tokenized examples (or packed rows) -> one right-padded batch dict."""
+
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
         self.pad_token_id = pad_token_id
         self.multiple = pad_to_multiple_of
@@ -15,23 +36,17 @@ class PadCollator:
     def __call__(self, examples: list[dict]) -> dict:
         longest = max(len(ex["input_ids"]) for ex in examples)
         width = -(-longest // self.multiple) * self.multiple
-        n = len(examples)
-        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
-        attention_mask = torch.zeros((n, width), dtype=torch.long)
-        packed = "position_ids" in examples[0]
-        if packed:  # the padding after a packed row is one more document of its own
-            position_ids = torch.arange(width).repeat(n, 1)
-        for i, ex in enumerate(examples):
-            k = len(ex["input_ids"])
-            input_ids[i, :k] = torch.as_tensor(ex["input_ids"])
-            labels[i, :k] = torch.as_tensor(ex["labels"])
-            attention_mask[i, :k] = 1
-            if packed:
+        input_ids, attention_mask = pad([ex["input_ids"] for ex in examples],
+                                        self.pad_token_id, width)
+        labels, _ = pad([ex["labels"] for ex in examples], IGNORE_INDEX, width)
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if "position_ids" in examples[0]:
+            # the padding after a packed row is one more document of its own
+            position_ids = torch.arange(width).repeat(len(examples), 1)
+            for i, ex in enumerate(examples):
+                k = len(ex["input_ids"])
                 position_ids[i, :k] = torch.as_tensor(ex["position_ids"])
                 position_ids[i, k:] = torch.arange(width - k)
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-        if packed:
             batch["position_ids"] = position_ids
         for key in ("example_id", "example_ids"):
             if key in examples[0]:

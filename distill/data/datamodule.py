@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import datasets
 import lightning as L
-import torch
 from torch.utils.data import DataLoader
 
 from distill.data.chat import resolve_template
 from distill.data.collate import PadCollator
+from distill.data.config import DataConfig
 from distill.data.pack import pack_dataset
 from distill.data.sources import load_source
 from distill.data.tokenize import tokenize_source
+from distill.data.windows import StepWindows, WindowCollate, WindowSampler
+from distill.rules import parse
 
 
 def build_dataset(sources, tokenizer, max_length: int, seed: int, mix: bool = True,
@@ -51,69 +53,64 @@ def check_packing_support() -> None:
 
 
 class DistillDataModule(L.LightningDataModule):
-    def __init__(self, tokenizer, train: list, val: list | None = None, batch_size: int = 8,
-                 val_batch_size: int | None = None, max_length: int = 512,
-                 num_workers: int = 0, seed: int = 0, shuffle: bool = True,
-                 pad_to_multiple_of: int = 1, packing: bool = False,
-                 chat_template: str | None = None, assistant_turns: str = "all",
-                 cpt_stride: int | None = None, chat_template_kwargs: dict | None = None,
-                 num_proc: int | None = None, mix_stopping: str = "first_exhausted"):
+    """Built from a `DataConfig` (`data:` of the config), or its settings as keywords."""
+
+    def __init__(self, tokenizer, config: DataConfig | None = None, **settings):
         super().__init__()
-        if not train:
-            raise ValueError("data.train lists no source: add at least one {kind, path}")
-        if chat_template is not None:
+        cfg = config if config is not None else parse(DataConfig, settings, "data.")
+        if config is not None and settings:
+            raise ValueError("give a DataConfig or its settings as keywords, not both")
+        if cfg.chat_template is not None:
             # the evaluation and the exported tokenizer then use the template the student
             # was trained with
-            tokenizer.chat_template = chat_template = resolve_template(chat_template)
-        self.tokenizer = tokenizer
-        self.train_sources, self.val_sources = list(train), list(val or [])
-        self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
-        self.max_length, self.num_workers, self.seed = max_length, num_workers, seed
-        self.shuffle, self.packing = shuffle, packing
-        if not isinstance(max_length, int) or max_length < 2:
-            raise ValueError(f"data.max_length={max_length!r} is too short: an example needs "
-                             "at least 2 tokens (a token, and the next one it predicts)")
-        if assistant_turns not in ("all", "last"):
-            raise ValueError(f"data.assistant_turns must be 'all' or 'last', got "
-                             f"{assistant_turns!r}")
-        self.options = {"chat_template": chat_template, "assistant_turns": assistant_turns,
-                        "cpt_stride": cpt_stride,
-                        "chat_template_kwargs": dict(chat_template_kwargs or {}),
-                        "num_proc": num_proc}
-        if mix_stopping not in ("first_exhausted", "all_exhausted"):
-            raise ValueError(f"data.mix_stopping must be 'first_exhausted' (the mix ends with "
-                             f"its first source used up) or 'all_exhausted' (smaller sources "
-                             f"repeat until every one is used up), got {mix_stopping!r}")
-        self.mix_stopping = mix_stopping
-        if packing:
+            tokenizer.chat_template = resolve_template(cfg.chat_template)
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.train_sources = [s.as_dict() for s in cfg.train]
+        self.val_sources = [s.as_dict() for s in cfg.val or []]
+        self.batch_size = cfg.batch_size
+        self.val_batch_size = cfg.val_batch_size or cfg.batch_size
+        self.max_length, self.packing = cfg.max_length, cfg.packing
+        self.options = {"chat_template": tokenizer.chat_template if cfg.chat_template else None,
+                        "assistant_turns": cfg.assistant_turns, "cpt_stride": cfg.cpt_stride,
+                        "chat_template_kwargs": dict(cfg.chat_template_kwargs or {}),
+                        "num_proc": cfg.num_proc}
+        if cfg.packing:
             check_packing_support()
-        self.collate = PadCollator(tokenizer.pad_token_id, pad_to_multiple_of)
+        self.collate = PadCollator(tokenizer.pad_token_id, cfg.pad_to_multiple_of)
         self.train_set = self.val_set = self.train_examples = None
 
     def setup(self, stage: str | None = None):
         if self.train_set is None:
             # one example per row; what a teacher cache is keyed by, packed or not
             self.train_examples = build_dataset(self.train_sources, self.tokenizer,
-                                                self.max_length, self.seed,
-                                                stopping_strategy=self.mix_stopping,
+                                                self.max_length, self.cfg.seed,
+                                                stopping_strategy=self.cfg.mix_stopping,
                                                 **self.options)
             self.train_set = self.train_examples
             if self.packing:  # validation stays one example per row
                 self.train_set = pack_dataset(self.train_examples, self.max_length)
         if self.val_set is None and self.val_sources:
             self.val_set = build_dataset(self.val_sources, self.tokenizer, self.max_length,
-                                         self.seed, mix=False, **self.options)
+                                         self.cfg.seed, mix=False, **self.options)
 
-    def _loader(self, ds, batch_size, shuffle):
-        gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, generator=gen,
-                          collate_fn=self.collate, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
-
-    def train_dataloader(self):
-        return self._loader(self.train_set, self.batch_size, self.shuffle)
+    def train_dataloader(self) -> StepWindows:
+        """Each optimizer step's micro-batches as one window, built and counted in the
+        loader's workers (distill.data.windows); this rank's share under DDP."""
+        trainer = self.trainer
+        k = trainer.accumulate_grad_batches if trainer is not None else 1
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        sampler = WindowSampler(len(self.train_set), self.batch_size, k,
+                                shuffle=self.cfg.shuffle, seed=self.cfg.seed, rank=rank,
+                                world_size=world)
+        workers = self.cfg.num_workers
+        loader = DataLoader(self.train_set, batch_sampler=sampler, num_workers=workers,
+                            collate_fn=WindowCollate(self.collate, self.batch_size),
+                            persistent_workers=workers > 0)
+        return StepWindows(loader, sampler, k, self.batch_size, world)
 
     def val_dataloader(self):
         if self.val_set is None:
             return []
-        return self._loader(self.val_set, self.val_batch_size, False)
+        return DataLoader(self.val_set, batch_size=self.val_batch_size, shuffle=False,
+                          collate_fn=self.collate, num_workers=self.cfg.num_workers,
+                          persistent_workers=self.cfg.num_workers > 0)

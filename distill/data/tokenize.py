@@ -21,7 +21,8 @@ import logging
 import datasets
 import jinja2
 
-from distill.data.chat import IGNORE_INDEX, ChatEncoder, MergedBoundary, TemplateError
+from distill.constants import IGNORE_INDEX
+from distill.data.chat import ChatEncoder, MergedBoundary, TemplateError
 from distill.data.rows import DataError, prompt_conversation, sft_conversation
 from distill.data.sources import columns, source_name, where
 

@@ -15,7 +15,8 @@ def _fail(msg: str):
     raise ValueError(msg)
 
 
-def check_inputs(hs, ws, ht, wt, ids, lps, labels, weights, spec, vocab_size) -> int:
+def check_inputs(hs, ws, ht, wt, ids, lps, labels, weights, spec, vocab_size, ignore_index,
+                 ce_rows=None) -> int:
     """Validate shapes, devices and values; return the vocabulary size the loss uses."""
     if hs.dim() != 2 or ws.dim() != 2:
         _fail(f"student_hidden must be (N, H) and student_weight (V, H); got "
@@ -48,23 +49,51 @@ def check_inputs(hs, ws, ht, wt, ids, lps, labels, weights, spec, vocab_size) ->
     if cached:
         _check_cached(ids, lps, vocab)
     if labels is not None:
-        if labels.shape != (n,):
-            _fail(f"labels must be (N={n},), got {tuple(labels.shape)}")
+        _check_labels(labels, n, vocab, ignore_index)
         tensors["labels"] = labels
-        bad = (labels != spec.ignore_index) & ((labels < 0) | (labels >= vocab))
-        if bool(bad.any()):
-            _fail(f"labels out of range: {int(labels[bad][0])} is neither ignore_index "
-                  f"({spec.ignore_index}) nor a token id in [0, {vocab})")
-    elif spec.ce_weight:
+    elif spec.ce_weight or ce_rows is not None:
         _fail("ce_weight > 0 needs labels (the hard targets of the cross-entropy)")
+    for name, t in (("weights", weights), ("ce_weight", ce_rows)):
+        if t is not None:
+            if t.shape != (n,):
+                _fail(f"{name} must be a number or (N={n},), got {tuple(t.shape)}")
+            tensors[name] = t
+    if ce_rows is not None and bool((ce_rows < 0).any() | ~torch.isfinite(ce_rows).all()):
+        _fail("per-position ce_weight values must be finite and >= 0")
+    _same_device(tensors)
+    return vocab
+
+
+def check_ce_inputs(hidden, weight, labels, weights, vocab_size, ignore_index) -> int:
+    """`linear_cross_entropy`'s inputs; returns the vocabulary size it uses."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        _fail(f"hidden must be (N, H) and weight (V, H); got {tuple(hidden.shape)} and "
+              f"{tuple(weight.shape)} (flatten batch and time first)")
+    n = hidden.shape[0]
+    vocab = _vocab([weight.shape[0]], vocab_size)
+    _check_labels(labels, n, vocab, ignore_index)
+    tensors = {"hidden": hidden, "weight": weight, "labels": labels}
     if weights is not None:
         if weights.shape != (n,):
             _fail(f"weights must be (N={n},), got {tuple(weights.shape)}")
         tensors["weights"] = weights
+    _same_device(tensors)
+    return vocab
+
+
+def _check_labels(labels, n: int, vocab: int, ignore_index: int) -> None:
+    if labels.shape != (n,):
+        _fail(f"labels must be (N={n},), got {tuple(labels.shape)}")
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        _fail(f"labels out of range: {int(labels[bad][0])} is neither ignore_index "
+              f"({ignore_index}) nor a token id in [0, {vocab})")
+
+
+def _same_device(tensors: dict) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         _fail(f"all inputs must be on one device, got {devices}")
-    return vocab
 
 
 def _vocab(rows: list[int], vocab_size: int | None) -> int:
@@ -91,4 +120,4 @@ def _check_cached(ids, lps, vocab):
     # -inf is a zero probability (a one-hot or masked teacher); NaN and +inf are not
     if bool((torch.isnan(lps) | (lps == math.inf)).any()):
         _fail("target_logprobs has NaN or +inf values: the teacher cache is corrupt "
-              "(rebuild it with scripts/cache_teacher_logits.py)")
+              "(rebuild it with distill-cache)")

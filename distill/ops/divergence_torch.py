@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from distill.losses.spec import TAIL_FLOOR, DivergenceSpec
+from distill.ops.spec import TAIL_FLOOR, DivergenceSpec
 
 
 def _argmax_and_rest(x):

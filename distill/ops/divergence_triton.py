@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from distill.losses.spec import TAIL_FLOOR, DivergenceSpec
 from distill.ops.sparse_triton import _sparse_fwd_kernel
+from distill.ops.spec import TAIL_FLOOR, DivergenceSpec
 from distill.ops.triton_math import _logaddexp, _online, _track_ref
 
 _KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}

@@ -12,8 +12,6 @@ tempered sum; with `untempered`, planes 2, 3 are the max and the untempered sum.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -125,25 +123,10 @@ def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     return ok_dtype and _tma_ok(hidden) and _tma_ok(weight)
 
 
-def _parse_config(text: str):
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        values = []
-    if len(values) != 6:
-        raise ValueError(f"DISTILL_GEMM_CONFIG={text!r}: give six integers, "
-                         "BM,BN,BK,num_warps,num_stages,tma_store (e.g. 128,256,64,8,3,0)")
-    return tuple(values[:5]), values[5]
-
-
 def logits_and_stats(hidden, weight, out, *, inv_t=1.0, untempered=False, config=None,
                      tma_store=None):
-    """z = hidden @ weight.T into the fp32 `out` (C, V); returns the (P, C, NT) stats."""
-    env = os.environ.get("DISTILL_GEMM_CONFIG")  # "BM,BN,BK,warps,stages,tma_store" to tune
-    if env and (config is None or tma_store is None):  # explicit arguments win
-        env_config, env_store = _parse_config(env)
-        config = config or env_config
-        tma_store = env_store if tma_store is None else tma_store
+    """z = hidden @ weight.T into the fp32 `out` (C, V); returns the (P, C, NT) stats.
+    `config` (BM, BN, BK, num_warps, num_stages) and `tma_store` default to CONFIG."""
     bm, bn, bk, warps, stages = config or CONFIG["gemm"]
     tma_store = CONFIG["tma_store"] if tma_store is None else tma_store
     c, h = hidden.shape

@@ -32,7 +32,7 @@ def sharp_teacher(tiny_assets, tmp_path_factory):
 
 def base_overrides(assets, teacher, cache_dir, out) -> list[str]:
     return ["+experiment=offline_fkl", f"paths.output_dir={out}",
-            f"cache.teacher.name_or_path={teacher}", f"paths.data={assets['sft_train'].parent}",
+            f"teacher.name_or_path={teacher}", f"paths.data={assets['sft_train'].parent}",
             f"cache.dir={cache_dir}", "data.batch_size=4"]
 
 
@@ -52,7 +52,7 @@ def cache_overrides(tiny_assets, sharp_teacher):
 def compose_cache(cache_overrides):
     def _compose(cache_dir, *extra, teacher=None):
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            return compose("cache", overrides=cache_overrides(cache_dir, *extra,
+            return compose("train", overrides=cache_overrides(cache_dir, *extra,
                                                               teacher=teacher))
 
     return _compose

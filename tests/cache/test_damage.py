@@ -12,7 +12,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from hydra.utils import instantiate
 
 from distill.cache import CacheMismatch, TeacherCache, content_hash, read_metadata
 from distill.cache.format import SCHEMA, shard_path
@@ -21,8 +20,9 @@ from distill.cache.verify import UNIT_ROUNDOFF, CacheDamaged, file_sha256, sum_p
 from distill.models import load_tokenizer
 from distill.teachers import CachedTeacher
 from distill.train import train
+from tests.fixtures import data_from
 
-REPAIR = r"Repair it: python scripts/cache_teacher_logits.py .*cache.dir="
+REPAIR = r"Repair it: distill-cache .*cache.dir="
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def _rewrite_with_logprob(root, split: str, shard: int, value: float) -> None:
 def batches(compose_train, cache_k8, tiny_assets, tmp_path_factory) -> list[dict]:
     """Every train and val batch of the cached data, as training collates them."""
     cfg = compose_train(cache_k8[0], "cache.top_k=8", out=tmp_path_factory.mktemp("o"))
-    dm = instantiate(cfg.data, tokenizer=load_tokenizer(str(tiny_assets["student"])))
+    dm = data_from(cfg, load_tokenizer(str(tiny_assets["student"])))
     dm.setup("fit")
     return [*dm.train_dataloader(), *dm.val_dataloader()]
 

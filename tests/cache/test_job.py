@@ -45,7 +45,7 @@ def test_killed_at_any_moment_then_rerun_gives_the_identical_cache(cache_overrid
     meta = read_metadata(root)
     assert meta["complete"] and meta["shards"] == read_metadata(ref)["shards"]
     # the command line is kept for the repair hint of a damaged shard
-    assert meta["command"].startswith("python scripts/cache_teacher_logits.py +experiment=")
+    assert meta["command"].startswith("distill-cache +experiment=")
     assert f"cache.dir={root}" in meta["command"]
     assert content_hash(root, meta) == content_hash(ref, read_metadata(ref))
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from hydra.utils import instantiate
 
 from distill.cache import CacheMismatch
 from distill.cache.run import cache_teacher_logits
 from distill.data import DistillDataModule
 from distill.models import load_tokenizer
 from distill.teachers import CachedTeacher
-from tests.fixtures import make_tokenizer
+from tests.fixtures import data_from, make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -39,21 +38,21 @@ def test_teacher_k_and_temperature(cache_k8, sharp_teacher, field, kwargs):
 
 def test_matching_data_passes(cached, data):
     cfg, tok = data
-    cached.check_data(instantiate(cfg.data, tokenizer=tok), tok)
+    cached.check_data(data_from(cfg, tok), tok)
 
 
 def test_tokenizer(cached, data, tmp_path):
     cfg, _ = data
     other = make_tokenizer(tmp_path, extra_chars="@#")
     with pytest.raises(CacheMismatch, match="tokenizer") as err:
-        cached.check_data(instantiate(cfg.data, tokenizer=other), other)
+        cached.check_data(data_from(cfg, other), other)
     assert err.value.field == "tokenizer"
 
 
 def test_max_length(cached, data):
     cfg, tok = data
     with pytest.raises(CacheMismatch, match="max_length") as err:
-        cached.check_data(instantiate(cfg.data, tokenizer=tok, max_length=64), tok)
+        cached.check_data(data_from(cfg, tok, max_length=64), tok)
     assert err.value.field == "max_length"
 
 
@@ -70,7 +69,7 @@ def test_data_fingerprint(cached, data, split):
 
 def test_changed_example_tokens_and_unknown_example(cached, data):
     cfg, tok = data
-    dm = instantiate(cfg.data, tokenizer=tok)
+    dm = data_from(cfg, tok)
     dm.setup("fit")
     batch = next(iter(dm.val_dataloader()))
     cached.targets(batch)  # the real batch is served

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import torch
-from hydra.utils import instantiate
 
 from distill.cache.run import cache_teacher_logits
 from distill.models import load_tokenizer
 from distill.teachers import CachedTeacher
 from distill.train import train
+from tests.fixtures import data_from
 
 
 def _data(cfg, tok, packing):
-    dm = instantiate(cfg.data, tokenizer=tok, packing=packing)
+    dm = data_from(cfg, tok, packing=packing)
     dm.setup("fit")
     return dm
 

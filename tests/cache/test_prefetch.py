@@ -6,15 +6,15 @@ import torch
 from torch.utils.data import DataLoader
 
 from distill.models import load_tokenizer
-from distill.train import instantiate
+from tests.fixtures import data_from, teacher_from
 
 
 def test_targets_come_with_the_batch_from_the_workers(compose_train, cache_k8, tmp_path,
                                                       monkeypatch):
     cfg = compose_train(cache_k8[0], "cache.top_k=8", "data.num_workers=1", out=tmp_path)
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    teacher = instantiate(cfg.teacher)
-    data = instantiate(cfg.data, tokenizer=tokenizer)
+    tokenizer = load_tokenizer(cfg.teacher.name_or_path)
+    teacher = teacher_from(cfg)
+    data = data_from(cfg, tokenizer)
     teacher.check_data(data, tokenizer)
     plain = data.collate
     examples = [data.train_set[i] for i in (3, 0, 7, 5)]

@@ -17,11 +17,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from distill.callbacks import StepTokenCounter
-from distill.losses.reference import reference_per_token_loss
-from distill.losses.spec import DivergenceSpec
+from distill.data import StepWindows
 from distill.models import final_hidden_states, lm_head, load_causal_lm
 from distill.module import DistillModule
+from distill.ops.spec import DivergenceSpec
 from distill.teachers import LiveTeacher
+from tests.reference import reference_per_token_loss
 
 LOSS = {"kind": "jsd", "beta": 0.3, "ce_weight": 0.2}
 N_MICRO = 7  # micro-batches per rank and epoch: K=3 -> windows 3, 3, 1; K=4 -> 4, 3
@@ -125,7 +126,7 @@ def fit_grads(module, batches: list[dict], k: int, devices: int = 1, epochs: int
     """Fit over `batches` and return the gradient of every optimizer step."""
     capture, data = GradCapture(), CountingBatches(batches)
     t = trainer(k, devices, [capture, LoadWatch(data, k)], max_epochs=epochs)
-    t.fit(module, train_dataloaders=DataLoader(data, batch_size=None))
+    t.fit(module, train_dataloaders=StepWindows.from_loader(DataLoader(data, batch_size=None), k))
     assert data.loads == [epochs] * len(batches)
     return capture.steps
 

@@ -38,7 +38,7 @@ def test_fsdp_scores_the_exported_student_other_strategies_the_module(tiny_asset
     """After an FSDP fit the module holds flat shards; the report reads the export back."""
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from distill.report import trained_student
+    from distill.callbacks.task_eval import trained_student
 
     class FakeFSDP(FSDPStrategy):  # the type only: no process group, no GPU
         def __init__(self):

@@ -13,12 +13,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from distill.data import DistillDataModule
-from distill.losses.reference import reference_per_token_loss
-from distill.losses.spec import DivergenceSpec
 from distill.models import final_hidden_states, lm_head, load_tokenizer
 from distill.module import DistillModule
-from distill.rollout import rollout, window_seed
+from distill.onpolicy.rollout import rollout, window_seed
+from distill.ops.spec import DivergenceSpec
 from tests.callbacks import proof
+from tests.reference import reference_per_token_loss
 
 ON_POLICY = {"fraction": 0.5, "temperature": 1.0, "max_new_tokens": 5, "seed": 3}
 
@@ -40,8 +40,9 @@ def _module(assets: str, lr: float = 0.0, policy: str = "valid_tokens") -> Disti
 def _rolled(module: DistillModule, window: list[dict], step: int) -> list[dict]:
     """The window as the fit rolls it out (same weights: SGD with lr=0)."""
     seed = window_seed(ON_POLICY["seed"], 0, step, 0)
-    out, _ = rollout(window, module.sampler, module.student, module.on_policy, seed,
-                     module.sampler.pad_token_id, module.sampler.eos_token_ids)
+    op = module.onpolicy
+    out, _ = rollout(window, op.cfg, seed, op.pad, op.eos, op._sampler("student", "cpu"),
+                     module.student)
     return out
 
 
@@ -165,8 +166,8 @@ def test_ddp_on_policy_step_is_the_one_pass_gradient_of_both_ranks_windows(asset
         step = []
         for rank, batches in enumerate(per_rank):
             seed = window_seed(ON_POLICY["seed"], 0, i, rank)
-            rolled, _ = rollout([batches[j] for j in window], module.sampler, module.student,
-                                module.on_policy, seed, module.sampler.pad_token_id,
-                                module.sampler.eos_token_ids)
+            op = module.onpolicy
+            rolled, _ = rollout([batches[j] for j in window], op.cfg, seed, op.pad, op.eos,
+                                op._sampler("student", "cpu"), module.student)
             step += rolled
         proof.assert_grads_match(got[i], _reference(assets, step, "valid_tokens"))

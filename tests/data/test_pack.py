@@ -6,14 +6,14 @@ import random
 import datasets
 import pytest
 import torch
-from hydra.utils import instantiate
 
 from distill.data.collate import PadCollator
 from distill.data.pack import pack_dataset, pack_rows
+from distill.data.shift import shift_flat, shift_labels
 from distill.losses import linear_divergence
 from distill.models import final_hidden_states, lm_head, load_causal_lm
 from distill.normalization import batch_masks, local_step_counts, token_weights
-from distill.teachers import shift_flat, shift_labels
+from tests.fixtures import data_from
 
 
 def _examples(n, max_len, seed):
@@ -124,10 +124,10 @@ def test_packing_trains_end_to_end(compose_cfg):
     from distill.train import train
 
     cfg = compose_cfg("+experiment=mix_jsd", "data.packing=true", "trainer.max_steps=4")
-    dm = instantiate(cfg.data, tokenizer=load_tokenizer(cfg.tokenizer))
+    dm = data_from(cfg, load_tokenizer(cfg.teacher.name_or_path))
     dm.setup("fit")
     assert "position_ids" in dm.train_set.column_names
-    plain = instantiate(cfg.data, tokenizer=dm.tokenizer, packing=False)
+    plain = data_from(cfg, dm.tokenizer, packing=False)
     plain.setup("fit")
     assert len(dm.train_set) < len(plain.train_set)
     assert sum(map(len, dm.train_set["input_ids"])) == sum(map(len, plain.train_set["input_ids"]))

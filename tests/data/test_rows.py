@@ -91,8 +91,9 @@ def test_max_length_too_short_for_the_prompts(chatml, tmp_path):
                        rf"max_length >= {prompt + 1}\); raise data.max_length"):
         setup(chatml, tmp_path, rows, max_length=5)
     for bad in (0, 1, -1):
-        with pytest.raises(ValueError, match=f"data.max_length={bad} is too short: an example "
-                                             "needs at least 2 tokens"):
+        with pytest.raises(ValueError, match=rf"data.max_length={bad}: must be an integer >= 2 "
+                                             r"\(tokens per row: room for a token and its "
+                                             r"next\)"):
             setup(chatml, tmp_path, rows, max_length=bad)
 
 
@@ -114,10 +115,10 @@ def test_empty_file_and_kind_errors(chatml, tmp_path):
         setup(chatml, tmp_path, lines=["\n\n"])
     path = tmp_path / "x.jsonl"
     path.write_text(json.dumps({"messages": [Q, A]}) + "\n")
-    dm = DistillDataModule(chatml, train=[{"name": "x", "kind": "chat", "path": str(path)}])
-    with pytest.raises(ValueError, match="kind must be 'sft' .*, 'cpt' .* or 'prompts'"):
-        dm.setup("fit")
-    with pytest.raises(ValueError, match="assistant_turns must be 'all' or 'last'"):
+    with pytest.raises(ValueError, match=r"data.train\[0\].kind='chat' \(source 'x'\): must be "
+                       "one of sft, cpt, prompts"):
+        DistillDataModule(chatml, train=[{"name": "x", "kind": "chat", "path": str(path)}])
+    with pytest.raises(ValueError, match="data.assistant_turns='every': must be one of all, last"):
         DistillDataModule(chatml, train=[{"path": str(path)}], assistant_turns="every")
 
 

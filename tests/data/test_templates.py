@@ -234,23 +234,22 @@ def test_marks_and_prefix_spans_agree_and_train_through_the_cli_path(compose_cfg
     """The test assets' template has {% generation %} marks; without them the spans come
     from the rendering, and must be the same labels. Then a short run with the override
     (data.chat_template= a file) as the CLI passes it."""
-    from hydra.utils import instantiate
 
     from distill.data.chat import MARKER
     from distill.models import load_tokenizer
     from distill.train import train
-    from tests.fixtures import CHAT_TEMPLATE
+    from tests.fixtures import CHAT_TEMPLATE, data_from
 
     path = tmp_path / "plain.jinja"
     path.write_text(MARKER.sub("", CHAT_TEMPLATE.replace("{% endgeneration %}", "")))
     assert not MARKER.search(path.read_text()) and "endgeneration" not in path.read_text()
     cfg = compose_cfg("+experiment=sft_rkl", f"data.chat_template={path}",
                       "trainer.max_steps=2")
-    marked = instantiate(cfg.data, tokenizer=load_tokenizer(cfg.tokenizer), chat_template=None)
+    marked = data_from(cfg, load_tokenizer(cfg.teacher.name_or_path), chat_template=None)
     marked.setup("fit")
     assert MARKER.search(marked.tokenizer.chat_template)
-    tok = load_tokenizer(cfg.tokenizer)
-    plain = instantiate(cfg.data, tokenizer=tok)
+    tok = load_tokenizer(cfg.teacher.name_or_path)
+    plain = data_from(cfg, tok)
     plain.setup("fit")
     assert plain.train_set.to_list() == marked.train_set.to_list()
     assert plain.val_set.to_list() == marked.val_set.to_list()

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from distill.losses.reference import reference_linear_divergence
-from distill.losses.spec import DivergenceSpec
+from distill.ops.spec import DivergenceSpec
+from tests.reference import reference_linear_divergence
 
 
 def make_inputs(n=41, v=1271, hs=48, ht=40, k=None, dtype=torch.float32, device="cpu",

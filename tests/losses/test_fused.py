@@ -111,8 +111,8 @@ def test_components_split_divergence_and_ce():
 @pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
 def test_head_extras_bias_scale_softcap(kind):
     from distill.losses import HeadTransform
-    from distill.losses.reference import reference_linear_divergence
-    from distill.losses.spec import DivergenceSpec
+    from distill.ops.spec import DivergenceSpec
+    from tests.reference import reference_linear_divergence
 
     x = make_inputs(n=23, v=301)
     bias_s = torch.randn(301, dtype=torch.float64)

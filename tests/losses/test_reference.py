@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from distill.losses.reference import reference_per_token_loss
-from distill.losses.spec import TAIL_FLOOR, DivergenceSpec
+from distill.ops.spec import TAIL_FLOOR, DivergenceSpec
+from tests.reference import reference_per_token_loss
 
 BETA = 0.3
 

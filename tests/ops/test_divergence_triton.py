@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from distill.losses import linear_divergence
+from distill.ops.chunked import Tuning
 from tests.conftest import TOLERANCES
 from tests.losses.helpers import assert_close, frozen_head_grads, make_inputs, run_both
 
@@ -19,21 +20,26 @@ SMALL = dict(n=13, v=257, hs=24, ht=20, device=DEVICE)
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
 
-def _triton(**kw):
-    return linear_divergence(**kw, backend="triton")
-
-
 # The op's two Triton paths: cuBLAS-style GEMMs and a full row kernel, each chunk folded
 # alone; the stats-epilogue GEMM (pass 1 in the GEMM) with chunks folded two at a time.
-PATHS = {"plain": dict(DISTILL_STATS_GEMM="0", DISTILL_FOLD_GROUP="1"),
-         "stats+fold": dict(DISTILL_STATS_GEMM="1", DISTILL_FOLD_GROUP="2")}
+PATHS = {"plain": Tuning(stats_gemm=False, fold_group=1),
+         "stats+fold": Tuning(stats_gemm=True, fold_group=2)}
+_PATH = {"tuning": None}  # the op_path of the running test
+
+
+def _triton(**kw):
+    return linear_divergence(**kw, backend="triton", tuning=_PATH["tuning"])
+
+
+def _any_backend(**kw):
+    return linear_divergence(**kw, tuning=_PATH["tuning"])
 
 
 @pytest.fixture(params=list(PATHS))
-def op_path(request, monkeypatch):
-    for k, v in PATHS[request.param].items():
-        monkeypatch.setenv(k, v)
-    return request.param
+def op_path(request):
+    _PATH["tuning"] = PATHS[request.param]
+    yield request.param
+    _PATH["tuning"] = None
 
 
 @pytest.mark.parametrize("kind,extra", KINDS)
@@ -112,8 +118,8 @@ def _all_ids_cached_and_live(x, **kw):
 
 def test_rows_match_the_torch_rows(triton_kernels):
     """The kernel's own contract: loss, gradient (row-scaled) and cross-entropy per row."""
-    from distill.losses.spec import DivergenceSpec
     from distill.ops.divergence_torch import rows_loss_and_grad as torch_rows
+    from distill.ops.spec import DivergenceSpec
 
     zs, zt = torch.randn(6, 300, device=DEVICE) * 5, torch.randn(6, 300, device=DEVICE) * 5
     labels, scale = torch.randint(0, 300, (6,), device=DEVICE), torch.rand(6, device=DEVICE)
@@ -162,13 +168,24 @@ def test_logits_gemm_stats_match_float64(triton_kernels, temperature, untempered
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_gemm_config_from_the_environment_is_checked(triton_kernels, monkeypatch):
-    from distill.ops import logits_gemm
+def test_a_gemm_config_is_checked():
+    with pytest.raises(ValueError, match=r"gemm_config=\(128, 256, 64, 8, 3\): give six"):
+        Tuning(gemm_config=(128, 256, 64, 8, 3))
+    with pytest.raises(ValueError, match="fold_group must be >= 1, got 0"):
+        Tuning(fold_group=0)
 
-    monkeypatch.setenv("DISTILL_GEMM_CONFIG", "128,256,64,8,3")
-    x = torch.randn(4, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="DISTILL_GEMM_CONFIG='128,256,64,8,3': give six"):
-        logits_gemm.logits_and_stats(x, x, torch.empty(4, 4, device=DEVICE))
+
+def test_a_gemm_config_reaches_the_kernel(triton_kernels):
+    """Tuning.gemm_config is the tile config the stats GEMM runs (a small tile here: the
+    interpreter runs whatever it is given, so a wrong one still gives the same numbers;
+    what is checked is that the op takes it without error, on the stats path)."""
+    x = make_inputs(**SMALL)
+    _PATH["tuning"] = Tuning(stats_gemm=True, gemm_config=(16, 32, 16, 4, 2, 0))
+    try:
+        got, ref = run_both(x, _triton, kind="forward_kl", chunk_size=5)
+    finally:
+        _PATH["tuning"] = None
+    assert_close(got, ref, torch.float32)
 
 
 @pytest.mark.parametrize("value", [0.37, 1.0, -3.0])
@@ -220,7 +237,7 @@ GPU_SHAPES = dict(n=300, v=32003, hs=256, ht=384, device="cuda")
 @pytest.mark.parametrize("cached", [False, True])
 def test_gpu_matches_reference(op_path, dtype, kind, extra, cached):
     x = make_inputs(k=64 if cached else None, dtype=dtype, **GPU_SHAPES)
-    got, ref = run_both(x, linear_divergence, grad_scale=0.5, kind=kind, temperature=1.5,
+    got, ref = run_both(x, _any_backend, grad_scale=0.5, kind=kind, temperature=1.5,
                         ce_weight=0.2, chunk_size=128, **extra)
     assert_close(got, ref, dtype)
     if dtype != torch.float16:  # fp16's range: a token-weighted gradient has subnormals
@@ -263,9 +280,9 @@ def test_gpu_ignored_chunks_sparse_equals_dense_and_fp32_weight_grad():
 @pytest.mark.gpu
 def test_gpu_deterministic_and_in_place_gradient_matches_torch_rows():
     """dz written over the logits in bf16 (with barriers) equals the fp32 torch math."""
-    from distill.losses.spec import DivergenceSpec
     from distill.ops import divergence_triton
     from distill.ops.divergence_torch import rows_loss_and_grad as torch_rows
+    from distill.ops.spec import DivergenceSpec
 
     zs = torch.randn(64, 128256, device="cuda") * 6
     zt = torch.randn(64, 128256, device="cuda") * 6

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from distill.losses import linear_divergence
-from distill.losses.reference import reference_per_token_loss
-from distill.losses.spec import DivergenceSpec
+from distill.ops.spec import DivergenceSpec
 from tests.losses.helpers import EXTREME_LOSS_TOL, TEMPERED_ULPS, extreme_inputs, run_both
+from tests.reference import reference_per_token_loss
 
 T, CE_WEIGHT = 0.7, 0.4
 

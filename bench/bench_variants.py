@@ -1,0 +1,130 @@
+"""A/B timing of the op's internal variants, interleaved so clock drift hits all alike.
+
+Each round times every variant once (CUDA events, grads cleared before each call), in a
+new random order (a variant's predecessor biases it otherwise); the table gives the median
+over rounds and the ratio to the GEMM floor timed in the same rounds. Variants set the op's
+knobs (`distill.ops.chunked.Tuning`: stats GEMM, fold group, GEMM tile config) and chunk
+size. Also prints which ATen ops launch the largest kernels (--ops).
+
+    python bench/bench_variants.py --bt 4096 8192 --rounds 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_loss  # noqa: E402
+
+from distill.losses import linear_divergence  # noqa: E402
+from distill.ops.chunked import Tuning  # noqa: E402
+
+DEFAULT = Tuning()
+# name -> (tuning, chunk_size or None, kind, cached?)
+VARIANTS = {
+    "default": (DEFAULT, None, "forward_kl", False),
+    "fold 3 x 640": (Tuning(fold_group=3), 640, "forward_kl", False),
+    "default again (same path: the noise)": (DEFAULT, None, "forward_kl", False),
+    "GEMM 3 stages": (Tuning(gemm_config=(128, 256, 64, 8, 3, 0)), None, "forward_kl", False),
+    "default, reverse_kl": (DEFAULT, None, "reverse_kl", False),
+    "default, jsd": (DEFAULT, None, "jsd", False),
+    "cached, cuBLAS (default)": (DEFAULT, None, "forward_kl", True),
+}
+
+
+def make_fn(x, tuning, chunk, kind, cached):
+    hs, ws = x["hs"], x["ws"]
+    target = (dict(target_ids=x["ids"], target_logprobs=x["lps"]) if cached
+              else dict(teacher_hidden=x["ht"], teacher_weight=x["wt"]))
+
+    def fn():
+        linear_divergence(hs, ws, kind=kind, chunk_size=chunk, tuning=tuning,
+                          **target).backward()
+    return fn
+
+
+def add_gemm_configs(configs):
+    """One forward_kl variant per GEMM tile config "BM,BN,BK,warps,stages,tma"."""
+    for cfg in configs:
+        tile = tuple(int(v) for v in cfg.split(","))
+        VARIANTS[f"default, GEMM {cfg}"] = (Tuning(gemm_config=tile), None, "forward_kl",
+                                             False)
+
+
+def run(bt, rounds, only):
+    x = bench_loss.make_inputs(bt)
+    leaves = [x["hs"], x["ws"]]
+    fns = {"GEMM floor (4 live)": lambda: bench_loss._gemm_floor(x, True),
+           "GEMM floor (3 cached)": lambda: bench_loss._gemm_floor(x, False)}
+    for name, (tuning, chunk, kind, cached) in VARIANTS.items():
+        if not only or any(s in name for s in only):
+            fns[name] = make_fn(x, tuning, chunk, kind, cached)
+    mem = {name: bench_loss.peak_mib(fn, leaves) for name, fn in fns.items()}
+    times = {name: [] for name in fns}
+    order = random.Random(bt)
+    for _ in range(rounds):
+        # a new order each round: what ran just before (a hot cuBLAS floor, say) slows
+        # a variant through the card's power state, the same way every round if the
+        # order were fixed (seen: one variant timed twice under two names, 3% apart)
+        names = list(fns)
+        order.shuffle(names)
+        for name in names:
+            times[name].append(bench_loss._time(
+                fns[name], reps=1, before=lambda: bench_loss.clear_grads(leaves), warm=False))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rows = []
+    for name in fns:
+        floor = med["GEMM floor (3 cached)" if "cached" in name else "GEMM floor (4 live)"]
+        rows.append(dict(bt=bt, name=name, ms=round(med[name], 3),
+                         ratio=round(med[name] / floor, 4), mib=round(mem[name], 1),
+                         spread=round((max(times[name]) - min(times[name])) / med[name], 3)))
+    return rows
+
+
+def ops_table(bt):
+    """Which ATen ops own the CUDA time of one distill live forward_kl call."""
+    x = bench_loss.make_inputs(bt)
+    fn = make_fn(x, DEFAULT, None, "forward_kl", False)
+    fn()
+    bench_loss.clear_grads([x["hs"], x["ws"]])
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=30,
+        max_shapes_column_width=60)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bt", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--only", nargs="*")
+    p.add_argument("--ops", action="store_true")
+    p.add_argument("--gemm-config", nargs="*", default=[],
+                   help="also time the default with these GEMM tile configs "
+                        "(BM,BN,BK,warps,stages,tma)")
+    p.add_argument("--out", type=Path, default=Path("bench_out/variants"))
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    add_gemm_configs(args.gemm_config)
+    if args.ops:
+        print(ops_table(args.bt[-1]))
+    rows = [r for bt in args.bt for r in run(bt, args.rounds, args.only)]
+    (args.out / "variants.json").write_text(json.dumps(rows, indent=1))
+    for r in rows:
+        print(f"BT={r['bt']:6d} {r['name']:38s} {r['ms']:8.2f} ms {r['ratio']:6.3f}x "
+              f"{r['mib']:7.0f} MiB  spread {r['spread']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

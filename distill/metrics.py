@@ -1,0 +1,80 @@
+"""What a training step logs: the true step loss (not the scaled one Lightning receives),
+its divergence and CE parts, the step's token counts, and the rollout's numbers.
+
+Sums are kept on the device across a window's micro-batches (no host sync per
+micro-batch) and logged once per optimizer step, summed over the ranks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from distill.onpolicy.rollout import RolloutStats
+
+
+class StepSums:
+    def __init__(self):
+        self.window: torch.Tensor | None = None  # loss, divergence, ce over the step
+        self.scored: torch.Tensor | None = None  # teacher log-prob sum, count of samples
+        self.rollout: RolloutStats | None = None
+        self.rollout_end: float | None = None
+        self.samples: list = []  # the last rollout's (prompt, completion, by_teacher)
+        self.val: torch.Tensor | None = None
+        self.counts = None  # the last step's StepCounts
+
+    def add(self, loss, parts: dict, scored, counts) -> None:
+        w = torch.stack([loss.detach(), parts["divergence"], parts["ce"]])
+        self.window = w if self.window is None else self.window + w
+        if scored is not None:
+            self.scored = scored if self.scored is None else self.scored + scored
+        self.counts = counts
+
+    def rolled(self, stats: RolloutStats) -> None:
+        self.rollout, self.rollout_end, self.samples = stats, time.perf_counter(), stats.examples
+
+    def log_step(self, module) -> float | None:
+        """Log the step's sums; returns its loss (None before any micro-batch)."""
+        if self.window is None:
+            return None
+        loss, div, ce = self.window.tolist()
+        self.window = None
+        opts = dict(on_step=True, on_epoch=False, sync_dist=True, reduce_fx="sum")
+        module.log("train/loss", loss, prog_bar=True, **opts)
+        module.log("train/kl", div, **opts)
+        module.log("train/ce", ce, **opts)
+        if self.counts is not None:
+            s, local = self.counts, dict(on_step=True, on_epoch=False)
+            module.log("train/step_valid_tokens", float(s.valid), **local)
+            module.log("train/step_real_tokens", float(s.real), **local)
+            module.log("train/valid_fraction", s.valid / max(s.real, 1), **local)
+        self._log_rollout(module)
+        return loss
+
+    def _log_rollout(self, module) -> None:
+        stats, self.rollout = self.rollout, None
+        if stats is None:
+            return
+        opts = dict(on_step=True, on_epoch=False, sync_dist=True)
+        if stats.rows:
+            module.log("rollout/mean_length", stats.tokens / stats.rows, **opts)
+            module.log("rollout/cut_fraction", stats.cut / stats.rows, **opts)
+        if self.scored is not None:
+            logp, n = self.scored.tolist()
+            if n:
+                module.log("rollout/teacher_logprob", logp / n, **opts)
+        self.scored = None
+        module.log("time/rollout_s", stats.seconds, **opts)
+        if self.rollout_end is not None:
+            module.log("time/train_s", time.perf_counter() - self.rollout_end, **opts)
+
+    def add_val(self, sums: torch.Tensor) -> None:
+        self.val = sums if self.val is None else self.val + sums
+
+    def take_val(self, strategy) -> list[float] | None:
+        if self.val is None:
+            return None
+        totals = strategy.reduce(self.val, reduce_op="sum").tolist()
+        self.val = None
+        return totals

@@ -1,0 +1,56 @@
+"""The on-policy part of a training step: at a window's first micro-batch, rewrite the
+window with samples (the student's, and the teacher's for `teacher_fraction` of them)."""
+
+from __future__ import annotations
+
+from distill.data.windows import WindowInfo
+from distill.onpolicy.config import OnPolicyConfig
+from distill.onpolicy.rollout import RolloutStats, rollout, window_seed
+from distill.onpolicy.samplers import HFSampler, SamplingSettings, stop_tokens
+
+
+def make_sampler(name: str, settings: SamplingSettings, device_type: str):
+    """`loss.on_policy.sampler`: auto (static on CUDA, hf elsewhere), hf or static."""
+    if name == "hf" or (name == "auto" and device_type != "cuda"):
+        return HFSampler(settings)
+    from distill.onpolicy.static_sampler import StaticSampler
+
+    return StaticSampler(settings)
+
+
+class OnPolicyStep:
+    def __init__(self, cfg: OnPolicyConfig, student, teacher_model, *, vocab_size,
+                 eos_token_id=None):
+        if teacher_model is None:
+            raise ValueError(f"loss.on_policy.fraction={cfg.fraction} needs a live teacher to "
+                             "score the student's samples; a cached teacher only knows the "
+                             "dataset's tokens. Use a live teacher (teacher.kind=live) or "
+                             "set loss.on_policy.fraction=0")
+        self.cfg, self.teacher = cfg, teacher_model
+        self.eos = stop_tokens(student, eos_token_id)
+        pad = student.config.pad_token_id
+        self.pad = pad if pad is not None else self.eos[0]
+        self.vocab_size = vocab_size
+        self._samplers: dict = {}
+
+    def _sampler(self, who: str, device_type: str):
+        if who not in self._samplers:
+            t = self.cfg.temperature if who == "student" else self.cfg.teacher_t
+            settings = SamplingSettings(t, self.cfg.top_p, self.cfg.max_new_tokens, self.eos,
+                                        self.pad, self.vocab_size)
+            self._samplers[who] = make_sampler(self.cfg.sampler, settings, device_type)
+        return self._samplers[who]
+
+    def __call__(self, student, info: WindowInfo, rank: int) -> RolloutStats:
+        """Rewrites `info`'s window in place (`info.rolled`); returns what was sampled."""
+        device = next(student.parameters()).device.type
+        seed = window_seed(self.cfg.seed, info.epoch, info.number, rank)
+        rolled, stats = rollout(info.batches, self.cfg, seed, self.pad, self.eos,
+                                self._sampler("student", device), student,
+                                self._sampler("teacher", device), self.teacher)
+        info.rolled = rolled
+        return stats
+
+    @property
+    def samplers(self) -> dict:
+        return self._samplers
