@@ -102,6 +102,10 @@ FULL = [
     {**EVERYTHING_ON, "impl": "triton-fp32", "target": "live", "head": "plain",
      "components": False, "beta": 0.7},
     {**EVERYTHING_ON, "impl": "torch-fp32", "target": "live", "ignore_index": -1},
+    {**EVERYTHING_ON, "impl": "torch-fp32", "target": "tail-7-sharp", "kind": "reverse_kl"},
+    {**EVERYTHING_ON, "impl": "torch-fp64", "target": "tail-7-sharp", "kind": "forward_kl"},
+    {**EVERYTHING_ON, "impl": "triton-fp32", "target": "tail-7-sharp", "kind": "reverse_kl",
+     "head": "plain"},
     {**EVERYTHING_ON, "impl": "triton-fp32", "target": "renormalize-7", "ignore_index": -1,
      "head": "bias+scale"},
 ]
@@ -136,10 +140,16 @@ def make_inputs(case, seed):
         x.update(teacher_hidden=rnd(n, ht), teacher_weight=rnd(v + pad_t, ht, std=4 / ht**0.5))
     else:
         k = v if target == "tail-all" else int(target.split("-")[1])
-        logp = torch.log_softmax(rnd(n, v, std=4.0), -1)
-        top = logp.topk(k, dim=-1)
+        zt = rnd(n, v, std=4.0)
+        if target.endswith("sharp"):  # a confident teacher: tails 1e-3 to 1e-16, some under
+            # the floor; in fp16 (below) some top-k sum to one or more
+            peak = 20.0 + 25.0 * torch.rand(n, generator=g, dtype=torch.float64)
+            zt[torch.arange(n), torch.randint(0, v, (n,), generator=g)] += peak
+        values, ids = torch.log_softmax(zt, -1).topk(k, dim=-1)
+        if target.endswith("sharp"):  # stored in fp16, as caches are: sums can pass one
+            values = values.half().double()
         perm = torch.randperm(k, generator=g)  # the cache's order is not the sorted one
-        x.update(target_ids=top.indices[:, perm], target_logprobs=top.values[:, perm])
+        x.update(target_ids=ids[:, perm], target_logprobs=values[:, perm])
     if case["labels"] != "none":
         labels = torch.randint(0, v, (n,), generator=g)
         labels[torch.rand(n, generator=g) < 0.3] = case.get("ignore_index", -100)
