@@ -113,6 +113,8 @@ CASES = PAIRWISE + FULL
 
 # (n tokens, vocab, student hidden, teacher hidden): odd sizes, several chunks of 7
 SHAPES = {"torch": (41, 1271, 48, 40), "triton": (19, 263, 24, 20)}
+# the kernels run interpreted on CPU tensors without a GPU, compiled on the GPU's otherwise
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Tolerances on the loss and each gradient row. The op does its math in fp32 whatever the
 # input dtype (float64 inputs are rounded to fp32 logits), so both share them.
 LOSS_TOL = (2e-5, 1e-6)
@@ -181,12 +183,12 @@ def loss_options(case, vocab_size):
                 ignore_index=case.get("ignore_index", -100))
 
 
-def run(fn, x, heads, head_cls, dtype, grad_output, **options):
-    """Loss, components and {name: grad} of fn on copies of x in `dtype` (the student's
-    hidden, weight and bias require grad)."""
+def run(fn, x, heads, head_cls, dtype, grad_output, device="cpu", **options):
+    """Loss, components and {name: grad} of fn on copies of x in `dtype` on `device` (the
+    student's hidden, weight and bias require grad), all brought back to the CPU."""
     args, leaves = {}, {}
     for name, t in x.items():
-        t = t.clone().to(dtype) if t.is_floating_point() else t.clone()
+        t = t.to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
         if name in ("student_hidden", "student_weight"):
             t.requires_grad_(True)
             leaves[name] = t
@@ -196,14 +198,17 @@ def run(fn, x, heads, head_cls, dtype, grad_output, **options):
             continue
         spec = dict(spec)
         if spec.get("bias") is not None:
-            spec["bias"] = spec["bias"].clone().to(dtype).requires_grad_(name == "student_head")
+            bias = spec["bias"].to(device, dtype, copy=True)
+            spec["bias"] = bias.requires_grad_(name == "student_head")
             if name == "student_head":
                 leaves["student_bias"] = spec["bias"]
         args[name] = head_cls(**spec)
     out = fn(**args, **options)
     loss, parts = out if isinstance(out, tuple) else (out, None)
     (loss * grad_output).backward()
-    return loss.detach(), parts, {k: t.grad for k, t in leaves.items()}
+    parts = parts and {k: v.cpu() for k, v in parts.items()}
+    grads = {k: None if t.grad is None else t.grad.cpu() for k, t in leaves.items()}
+    return loss.detach().cpu(), parts, grads
 
 
 def logit_grads(x, heads, grad_output, **options):
@@ -255,7 +260,7 @@ def test_matches_the_oracle(case, request):
     fused_kw = dict(chunk_size=case["chunk"], backend="torch")
     if impl.startswith("triton"):
         request.getfixturevalue("triton_kernels")
-        fused_kw["backend"] = "triton"
+        fused_kw.update(backend="triton", device=TRITON_DEVICE)
     x, heads, vocab_size = make_inputs(case, seed=CASES.index(case))
     opts = loss_options(case, vocab_size)
     g = case["grad_output"]
@@ -302,8 +307,9 @@ def test_renormalize_gives_no_gradient_outside_the_cached_ids(backend, request):
             "kind": "forward_kl", "ce_weight": 0.0, "divergence_weight": 1.0,
             "head": "plain", "labels": "none", "weights": "mean", "components": False}
     x, heads, vocab_size = make_inputs(case, seed=5)
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
     _, _, grads = run(linear_divergence, x, heads, HeadTransform, torch.float32, 1.0,
-                      **loss_options(case, vocab_size), backend=backend)
+                      device, **loss_options(case, vocab_size), backend=backend)
     cached = torch.zeros(len(x["student_weight"]), dtype=torch.bool)
     cached[x["target_ids"].flatten()] = True
     nonzero = int((grads["student_weight"][~cached] != 0).any(1).sum())
