@@ -23,7 +23,6 @@ import torch
 # documented contract (a top-k that sums to one would make KL(q || p) infinite), so it is
 # stated here, not read from the package.
 TAIL_FLOOR = 1e-8
-KINDS = ("forward_kl", "reverse_kl", "jsd")
 
 
 @dataclass(frozen=True)
@@ -75,9 +74,13 @@ def head_logits(hidden, weight, head=None, vocab=None):
 
 
 def _plog(a, log_a, log_b):
-    """sum_c a_c (log a_c - log b_c) with 0 log 0 = 0 (a teacher's zeros are common)."""
-    terms = a * (log_a - log_b)
-    return torch.where(a > 0, terms, torch.zeros_like(terms)).sum(-1)
+    """sum_c a_c (log a_c - log b_c) with 0 log 0 = 0 (a teacher's zeros are common).
+    Where a_c = 0 the logs are replaced before the product, so that no 0 * inf enters the
+    forward or the gradient."""
+    live = a > 0
+    zero = torch.zeros_like(a)
+    diff = torch.where(live, log_a, zero) - torch.where(live, log_b, zero)
+    return torch.where(live, a * diff, zero).sum(-1)
 
 
 def divergence(logp, logq, kind, beta=0.5):

@@ -253,6 +253,20 @@ def test_gradient_of_the_tail_is_shared_by_the_ids_outside():
     torch.testing.assert_close(gw[:, 0], want / T, rtol=1e-12, atol=1e-15)
 
 
+def test_one_hot_cached_teacher_with_minus_inf_log_probs():
+    """ids (0, 1) at log-probs (0, -inf), q = (1/2, 1/4, 1/4): forward KL = ln 2 (zero
+    probabilities add nothing), and d a = (q_0 - 1, q_1 - 0, q_2 (1 - 0 / q_tail)) =
+    (-1/2, 1/4, 1/4), finite."""
+    hs, ws = one_hot_head(ZS)
+    lp = torch.tensor([[0.0, -math.inf]], dtype=torch.float64)
+    loss, _, gw = grads(lambda a, b: oracle_loss(
+        a, b, target_ids=torch.tensor([[0, 1]]), target_logprobs=lp, kind="forward_kl",
+        temperature=T), hs, ws)
+    close(loss, LN(2))
+    want = torch.tensor([-1 / 2, 1 / 4, 1 / 4], dtype=torch.float64) / T
+    torch.testing.assert_close(gw[:, 0], want, rtol=1e-12, atol=1e-15)
+
+
 def test_gradient_through_the_softcap():
     """d z_raw = d logit * (1 - tanh^2(z_raw / cap)) (scale 1, no bias)."""
     cap = 3.0
