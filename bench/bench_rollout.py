@@ -15,10 +15,12 @@ counts the tokens actually generated.
 - HF static: `generate(cache_implementation="static")` on a bf16 copy; transformers
   compiles the decode step on first use of every shape (tens of seconds, reported as its
   warm-up), so it runs at batch 64 / 128 new tokens by default (`--hf-static all`).
-- static sampler: `StaticSampler` with CUDA graphs; its warm-up (generation copy, KV pool,
-  one capture per bucket) is timed once per (student, new tokens); then `--repeats` runs
-  per batch; captures after the warm-up and after the runs (they must not move),
-  recaptures; its bf16 copy's memory and refresh time.
+- static sampler: `StaticSampler` with CUDA graphs and its fused decode modules; its
+  warm-up (generation copy, KV pool, one capture per bucket) is timed once per (student,
+  new tokens); then `--repeats` runs per batch; captures after the warm-up and after the
+  runs (they must not move), recaptures; its bf16 copy's memory and refresh time.
+- static unfused: the same with the model's own transformers modules (`fused=False`), at
+  batch 64 / 128 new tokens by default (`--unfused all`).
 - bound: every bf16 weight read once per decode step at 4.8 TB/s (the KV cache reads and
   the compute bound beside it, whichever is larger, in `bound_full_s`).
 
@@ -67,6 +69,8 @@ def parse():
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of the static sampler")
     ap.add_argument("--hf", choices=["some", "all", "none"], default="some")
     ap.add_argument("--hf-static", choices=["some", "all", "none"], default="some")
+    ap.add_argument("--unfused", choices=["some", "all", "none"], default="some",
+                    help="the static sampler without its fused decode modules")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="tiny student on CPU, few tokens: tests this script")
     args = ap.parse_args()
@@ -109,33 +113,37 @@ def bounds(results: Results, name: str, model, batches, news) -> None:
                         status="done")
 
 
-def static_sampler_rows(results: Results, args, name: str, model, rows, new: int) -> None:
+def static_sampler_rows(results: Results, name: str, model, rows, new: int, batches,
+                        repeats: int, fused: bool | None) -> None:
+    """fused None: the default (fused where the model allows), False: the model's modules."""
     vocab = model.config.vocab_size
-    s = StaticSampler(1.0, 1.0, new, [EOS], 0, vocab)
+    s = StaticSampler(1.0, 1.0, new, [EOS], 0, vocab, fused=fused)
+    method = "static unfused" if fused is False else "static"
     state = {}
 
     def warm():
-        state["warm_s"] = timed(lambda: s.warmup(model, args.batches, PROMPT))[0]
+        state["warm_s"] = timed(lambda: s.warmup(model, batches, PROMPT))[0]
         engine = s.engine(model)
         state["refresh_ms"] = round(timed(engine.copy.refresh, repeats=5)[0] * 1e3, 2)
         state["captures"] = s.captures
         return {"warmup_s": round(state["warm_s"], 2), "refresh_ms": state["refresh_ms"],
                 "copy_gib": gib(engine.copy_bytes), "kv_gib": gib(engine.pool.nbytes),
-                "captures": s.captures, "recaptures": s.recaptures,
+                "captures": s.captures, "recaptures": s.recaptures, "fused": engine.copy.fused,
                 "buckets": {str(k): (bool(b.graph), b.graph_picks, round(b.capture_s, 3))
                             for k, b in engine.buckets.items()}}
 
-    results.attempt("static sampler warm-up", 180, warm, student=name, method="static",
+    results.attempt("static sampler warm-up", 180, warm, student=name, method=method,
                     new=new)
-    for batch in args.batches:
+    for batch in batches:
         def run(batch=batch):
-            row = measure(lambda: s(model, rows[:batch], seed=batch), args.repeats)
+            row = measure(lambda: s(model, rows[:batch], seed=batch), repeats)
             return {**row, "warmup_s": round(state.get("warm_s", float("nan")), 2),
+                    "fused": s.engine(model).copy.fused,
                     "captures": s.captures, "recaptures": s.recaptures,
                     "captures_moved": s.captures != state.get("captures"),
                     "steps": s.last.get("steps")}
 
-        results.attempt("static sampler", 120, run, student=name, method="static",
+        results.attempt("static sampler", 120, run, student=name, method=method,
                         batch=batch, new=new)
     s = None  # the copy and the KV pool go before the next measurement
     torch.cuda.empty_cache() if DEVICE == "cuda" else None
@@ -194,7 +202,7 @@ def table(results: Results) -> str:
     lines = ["| student | new | batch | method | s / rollout | tokens/s | warm-up s | "
              "peak extra GiB | captures / recaptures | vs HFSampler |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    order = {"HFSampler": 0, "HF static": 1, "static": 2, "bound": 3}
+    order = {"HFSampler": 0, "HF static": 1, "static unfused": 2, "static": 3, "bound": 4}
     rows = [r for r in results.rows if r.get("method") in order and "batch" in r]
     rows.sort(key=lambda r: (r["student"], r["new"], r["batch"], order[r["method"]]))
     for r in rows:
@@ -232,7 +240,13 @@ def main() -> int:
         rows = prompts(max(args.batches), PROMPT, model.config.vocab_size, seed=0)
         bounds(results, name, model, args.batches, args.new_tokens)
         for new in args.new_tokens:
-            static_sampler_rows(results, args, name, model, rows, new)
+            static_sampler_rows(results, name, model, rows, new, args.batches, args.repeats,
+                                fused=None)
+            plain = [b for b in args.batches if chosen(args.unfused, b, new,
+                                                        lambda b, n: b == 64 and n == 128)]
+            if plain:  # the model's own modules, for the fused modules' share of the gain
+                static_sampler_rows(results, name, model, rows, new, plain, args.repeats,
+                                    fused=False)
 
         def hf_first_call(model=model, rows=rows):  # HF's own first-call costs, once
             hf = HFSampler(1.0, 1.0, 4, [EOS], 0, model.config.vocab_size)

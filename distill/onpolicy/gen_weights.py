@@ -7,15 +7,20 @@ so decoding costs what the plain model costs. The copy is a plain model of the s
 class, built on the meta device (no random init) and filled from the student. It is refreshed
 with `copy_`, never rebuilt: the CUDA graphs of the decode step hold its addresses.
 
+With `fused`, the copy of a Llama-family model decodes through fused_layers' modules (its
+q/k/v and gate/up weights fused, the original names kept as views for the refresh).
+
 A frozen model already in the compute dtype (the live teacher) needs no copy.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 
+log = logging.getLogger(__name__)
 _WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -43,7 +48,9 @@ class GenerationCopy:
     """`model` (a transformers causal LM, possibly with PEFT adapters injected in place) as a
     plain model of the same class in `dtype`, on the same device, eval mode, no grad."""
 
-    def __init__(self, model, dtype: torch.dtype):
+    def __init__(self, model, dtype: torch.dtype, fused: bool | None = False):
+        """fused: True: fused decode modules (an error where the model has another layer
+        structure); None: where supported; False: the model's own modules."""
         sharded = [n for n, p in model.named_parameters()
                    if type(p).__name__ in ("DTensor", "FlatParameter")
                    or type(p.data).__name__ == "DTensor"]
@@ -66,12 +73,21 @@ class GenerationCopy:
                     raise ValueError(f"the generation copy has a buffer {name!r} that "
                                      f"{type(model).__name__} lacks")
                 buf.copy_(sources[name])
-        self._plan = _plan(model, self.model)
+        self.fused, targets = self._fuse(fused)
+        self._plan = _plan(model, targets)
+        self.nbytes = sum(t.numel() * t.element_size() for t in targets.values())
         self.refresh()
 
-    @property
-    def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+    def _fuse(self, fused: bool | None) -> tuple[bool, dict]:
+        from distill.onpolicy.fused_layers import install, supported
+
+        why = supported(self.model) if fused is not False else "fused=False"
+        if fused and why:
+            raise ValueError(f"the static sampler's fused decode (fused=True): {why}")
+        if why:
+            log.info("static sampler: the model's own modules decode (%s)", why)
+            return False, dict(self.model.named_parameters())
+        return True, install(self.model)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -83,12 +99,13 @@ class GenerationCopy:
                 dst.copy_(_merged(src, lora))
 
 
-def _plan(model, gen) -> list:
-    """(destination, source, LoRA layer or None) for every parameter of the copy."""
+def _plan(model, targets: dict) -> list:
+    """(destination, source, LoRA layer or None) for every parameter of the copy, from the
+    copy's {parameter name: tensor} (tied weights once)."""
     LoraLayer = _lora_layer_type()
     modules = {_clean(n): m for n, m in model.named_modules()}
     plan = []
-    for name, dst in gen.named_parameters():  # tied weights once
+    for name, dst in targets.items():
         owner, _, leaf = name.rpartition(".")
         module = modules.get(owner)
         if module is None:

@@ -21,8 +21,15 @@ import inspect
 
 import torch
 import torch.nn.functional as F
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 ATTENTION = "distill_static"
+
+
+class PoolCache(StaticCache):
+    """A StaticCache over pool views, with `write`: the cache index the next decode token
+    goes to (fused_layers writes there; the sampler advances it)."""
 
 
 def cache_argument(model) -> str:
@@ -33,9 +40,6 @@ def cache_argument(model) -> str:
 
 def check_supported(config) -> None:
     """Refuse, before anything is allocated, what the static decode loop would get wrong."""
-    from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer
-
     layers = StaticCache(config=config, max_cache_len=1).layers
     other = sorted({type(layer).__name__ for layer in layers if type(layer) is not StaticLayer})
     if other:
@@ -86,11 +90,10 @@ class KVPool:
         self.batch, self.length = batch, length
 
     def views(self, batch: int, length: int):
-        """A StaticCache of (batch, length) whose layers write into the pool."""
-        from transformers import StaticCache
-
+        """A PoolCache of (batch, length) whose layers write into the pool."""
         assert self.fits(batch, length)
-        cache = StaticCache(config=self.config, max_cache_len=length)
+        cache = PoolCache(config=self.config, max_cache_len=length)
+        cache.write = torch.zeros((), dtype=torch.long, device=self.device)
         meta = torch.empty((batch, self.heads, 1, self.head_dim), dtype=self.dtype,
                            device="meta")
         for i, layer in enumerate(cache.layers):

@@ -6,6 +6,8 @@ whole window's prompts as one batch, padded to a few bucketed shapes (batch, pro
 
 - weights: a bf16 copy of a trainable student, refreshed in place before each rollout (LoRA
   adapters merged in); a frozen model already in that dtype (the teacher) is used as it is;
+- layers: in the copy of a Llama-family model, fused decode modules (fused_layers.py): a
+  small model's step is hundreds of tiny kernels, and these cut them about five-fold;
 - prefill: one eager forward of the left-padded prompts into a `StaticCache` (views of one
   pool shared by all buckets), with its own 4D mask and position ids;
 - decode: one step = forward of the last token + choosing the next, written into
@@ -62,6 +64,7 @@ class StaticSampler:
     batch_buckets: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256)  # more rows: in chunks
     prompt_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096)
     check_every: int = 16  # decode steps between two host reads of the done flags
+    fused: bool | None = None  # fused decode modules in the copy; None: where supported
     captures: int = field(default=0, init=False)
     recaptures: int = field(default=0, init=False)
     last: dict = field(default_factory=dict, init=False)  # what the latest call did
@@ -108,6 +111,7 @@ class StaticSampler:
     def stats(self) -> dict:
         """Counters for the run's log: captures, recaptures, bytes held, the latest call."""
         return {"captures": self.captures, "recaptures": self.recaptures,
+                "fused": [bool(e.copy and e.copy.fused) for e in self._engines.values()],
                 "copy_bytes": sum(e.copy_bytes for e in self._engines.values()),
                 "kv_bytes": sum(e.pool.nbytes for e in self._engines.values()), **self.last}
 
@@ -131,7 +135,9 @@ class _Engine:
         dtype = sampler.dtype or (torch.bfloat16 if self.device.type == "cuda"
                                   else next(model.parameters()).dtype)
         check_supported(model.config)
-        self.copy = GenerationCopy(model, dtype) if needs_copy(model, dtype) else None
+        self.copy = None
+        if needs_copy(model, dtype):
+            self.copy = GenerationCopy(model, dtype, fused=sampler.fused)
         if self.copy is not None:
             self.copy.model.config._attn_implementation = ATTENTION
         self.model = self.copy.model if self.copy is not None else model
@@ -179,7 +185,8 @@ class _Engine:
         return out
 
     def _bucket(self, batch: int, prompt: int) -> _Bucket:
-        length = prompt + self.sampler.max_new_tokens
+        # a multiple of 16: SDPA's memory-efficient kernel would pad the mask every layer
+        length = -(-(prompt + self.sampler.max_new_tokens) // 16) * 16
         if not self.pool.fits(batch, length):
             if self.pool.batch:
                 log.info("static sampler: KV pool grows to batch %d, length %d; graphs of "
@@ -227,6 +234,8 @@ class _Engine:
         b.done.zero_()
         b.step.zero_()
         b.tokens.fill_(self.sampler.pad_token_id)
+        if self.sampler.temperature > 0:  # every step's draws at once: one gather a step
+            b.draws.copy_(uniforms(b.seed, b.rows[:, None], b.steps[None, :]))
         logits = self._logits(ids, mask[:, None], positions, b.cache)
         b.positions.copy_(valid[:, :P].sum(-1, keepdim=True))
         b.write.fill_(P)
@@ -234,7 +243,9 @@ class _Engine:
 
     def _advance(self, b: _Bucket) -> torch.Tensor:
         """The forward of one decode step: logits of the token at the write position."""
-        mask = b.prompt_mask | ((b.arange >= b.prompt) & (b.arange <= b.write))  # (B,1,1,L)
+        seen = b.prompt_mask | ((b.arange >= b.prompt) & (b.arange <= b.write))  # (B,1,1,L)
+        # additive, once per step: SDPA would convert a boolean mask in every layer
+        mask = torch.where(seen, b.zero, b.minus_inf)
         logits = self._logits(b.input_ids, mask, b.positions, b.cache)
         b.positions.add_(1)
         b.write.add_(1)
@@ -242,7 +253,7 @@ class _Engine:
 
     def _pick(self, b: _Bucket, logits: torch.Tensor) -> None:
         s = self.sampler
-        u = uniforms(b.seed, b.rows, b.step) if s.temperature > 0 else None
+        u = b.draws.index_select(1, b.step.view(1))[:, 0] if s.temperature > 0 else None
         token = choose(logits, u, s.temperature, s.top_p)
         token = torch.where(b.done, s.pad_token_id, token)  # a finished row writes pads
         b.tokens.index_copy_(1, b.step.view(1), token[:, None])
@@ -312,14 +323,18 @@ class _Bucket:
         self.cache = engine.pool.views(batch, length)
         self.arange = torch.arange(length, device=dev)  # (L,)
         self.prompt_mask = torch.zeros((batch, 1, 1, length), dtype=torch.bool, device=dev)
+        self.zero = torch.zeros((), dtype=engine.pool.dtype, device=dev)
+        self.minus_inf = torch.full((), float("-inf"), dtype=engine.pool.dtype, device=dev)
         self.input_ids = torch.zeros((batch, 1), dtype=torch.long, device=dev)
         self.positions = torch.zeros((batch, 1), dtype=torch.long, device=dev)
-        self.write = torch.zeros((), dtype=torch.long, device=dev)  # cache index written next
+        self.write = self.cache.write  # () the cache index the next decode token goes to
         self.step = torch.zeros((), dtype=torch.long, device=dev)  # index of the next token
         self.seed = torch.zeros((), dtype=torch.long, device=dev)
         self.rows = torch.zeros((batch,), dtype=torch.long, device=dev)
         self.done = torch.zeros((batch,), dtype=torch.bool, device=dev)
         self.tokens = torch.zeros((batch, n), dtype=torch.long, device=dev)
+        self.draws = torch.zeros((batch, n), dtype=torch.float32, device=dev)  # (row, step)
+        self.steps = torch.arange(n, device=dev)
         self.graph = None  # a CUDAGraph once captured, False when capture failed
         self.graph_picks = True  # the graph includes the token choice
         self.logits: torch.Tensor | None = None  # graph output when it does not

@@ -15,18 +15,51 @@ def sampler(temperature=0.0, top_p=1.0, max_new_tokens=12, eos=(EOS,), **kwargs)
     return StaticSampler(temperature, top_p, max_new_tokens, list(eos), PAD, VOCAB, **kwargs)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_greedy_equals_hf_generate(family):
-    model = tiny(family).requires_grad_(False)
-    assert sampler()(model, PROMPTS, seed=0) == hf(model, PROMPTS)
+# the three ways a model decodes: as it is (frozen, in the dtype), through a plain copy, or
+# through a copy with the fused decode modules (a trainable Llama-family student's default)
+PATHS = {"frozen": ({}, False), "copy": ({"fused": False}, True), "fused": ({"fused": True}, True)}
 
 
+def on_path(path: str, model):
+    kwargs, trainable = PATHS[path]
+    return kwargs, model.requires_grad_(trainable)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_greedy_stops_at_eos_like_hf(family):
-    model = tiny(family)
+def test_greedy_equals_hf_generate(family, path):
+    kwargs, model = on_path(path, tiny(family))
+    s = sampler(**kwargs)
+    assert s(model, PROMPTS, seed=0) == hf(model, PROMPTS)
+    engine = s.engine(model)
+    assert (engine.copy is not None) == (path != "frozen")
+    assert (engine.copy is not None and engine.copy.fused) == (path == "fused")
+
+
+def test_the_fused_copy_swaps_the_modules_and_keeps_one_copy_of_each_weight():
+    from distill.onpolicy.fused_layers import FusedAttention, FusedMLP, FusedRMSNorm
+
+    model = tiny("qwen2").train()  # q/k/v biases too
+    s = sampler()
+    s(model, PROMPTS, seed=0)
+    gen = s.engine(model).model
+    layer = gen.model.layers[0]
+    assert isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedMLP)
+    assert isinstance(layer.input_layernorm, FusedRMSNorm)
+    assert isinstance(gen.model.norm, FusedRMSNorm)
+    q = layer.self_attn.hf.q_proj.weight
+    assert q.data_ptr() == layer.self_attn.hf.fused_weight.data_ptr()  # a view of the fused
+    assert layer.self_attn.hf.v_proj.bias.data_ptr() > layer.self_attn.hf.fused_bias.data_ptr()
+    assert s.stats()["copy_bytes"] == sum(p.numel() for p in model.parameters()) * 4
+
+
+@pytest.mark.parametrize("path", ["copy", "fused"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_stops_at_eos_like_hf(family, path):
+    kwargs, model = on_path(path, tiny(family))
     free = hf(model, PROMPTS, max_new_tokens=10)
     eos = (free[0][3], free[2][1])  # tokens the model does write: some rows stop early
-    got = sampler(max_new_tokens=10, eos=eos)(model, PROMPTS, seed=0)
+    got = sampler(max_new_tokens=10, eos=eos, **kwargs)(model, PROMPTS, seed=0)
     assert got == hf(model, PROMPTS, max_new_tokens=10, eos=eos)
     for row in got:
         assert all(t not in eos for t in row[:-1])
@@ -52,16 +85,18 @@ def test_same_seed_same_completions_other_seed_others():
     assert a != c
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (0.8, 0.7)])
-def test_buckets_padding_rows_and_chunks_never_change_a_completion(temperature, top_p):
-    model = tiny()
+def test_buckets_padding_rows_and_chunks_never_change_a_completion(temperature, top_p, path):
+    kwargs, model = on_path(path, tiny())
     prompts = PROMPTS * 3  # 15 rows
-    plain = sampler(temperature, top_p, 10, batch_buckets=(16,), prompt_buckets=(8,))
+    plain = sampler(temperature, top_p, 10, batch_buckets=(16,), prompt_buckets=(8,), **kwargs)
     want = plain(model, prompts, seed=11)
     for buckets in [dict(batch_buckets=(32,), prompt_buckets=(64,)),  # more padding
                     dict(batch_buckets=(4,), prompt_buckets=(7, 16)),  # 4 chunks of 4 rows
                     dict(batch_buckets=(2, 8), prompt_buckets=(4,))]:  # prompts past buckets
-        assert sampler(temperature, top_p, 10, **buckets)(model, prompts, seed=11) == want
+        got = sampler(temperature, top_p, 10, **buckets, **kwargs)(model, prompts, seed=11)
+        assert got == want
     # a row's completion does not depend on the other rows of its window either
     alone = plain(model, prompts[:1], seed=11)
     assert alone == want[:1]
@@ -193,3 +228,12 @@ def test_unsupported_models_and_settings_are_refused():
     with pytest.raises(ValueError, match="at least one token"):
         sampler()(tiny(), [[5], []], seed=0)
     assert sampler()(tiny(), [], seed=0) == []
+
+
+def test_other_layer_structures_decode_through_their_own_modules():
+    model = tiny("llama", hidden_act="gelu").train()  # not LlamaMLP's silu: no fused MLP
+    s = sampler()
+    assert s(model, PROMPTS, seed=0) == hf(model, PROMPTS)
+    assert s.engine(model).copy.fused is False
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not silu"):
+        sampler(fused=True)(model, PROMPTS, seed=0)
