@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -181,8 +182,10 @@ def check_graph_equals_eager():
             eager = sampler(temperature, top_p, new=48, cuda_graphs=False, **kwargs)
             a, b = graphed(model, rows, seed=7), eager(model, rows, seed=7)
             key = f"{path}/T={temperature},top_p={top_p}"
+            buckets = bucket_report(graphed)
             out[key] = {"equal": a == b, "rows_equal": sum(x == y for x, y in zip(a, b)),
-                        "buckets": bucket_report(graphed)}
+                        "choice_in_graph": all(x["choice_in_graph"] for x in buckets),
+                        "buckets": buckets}
             ok &= a == b and graphed.captures >= 1
     return {"ok": ok, **out}
 
@@ -292,6 +295,18 @@ CHECKS = [("capture smoke", check_capture_smoke, 60),
           ("LoRA fp32 == HF generate", check_lora_fp32_equals_hf, 90)]
 
 
+def brief(row: dict, width: int = 420) -> str:
+    """The row without its bookkeeping, nested bucket lists dropped, on one short line."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items()
+                    if k not in ("buckets", "what", "status", "wall_s", "runs")}
+        return x
+
+    text = json.dumps(strip(row), default=str)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="folder for check.json")
@@ -317,8 +332,7 @@ def main() -> int:
         print(f"--> {row['status']}: {name}", flush=True)
     print("\n## summary")
     for row in results.rows:
-        print(f"{row['status']:5}  {row['what']}  ({row['wall_s']} s)"
-              + (f"  {row['error']}" if "error" in row else ""))
+        print(f"{row['status']:5}  {row['what']}  ({row['wall_s']} s)  {brief(row)}")
     passed = sum(r["status"] == "PASS" for r in results.rows)
     results.add(what="summary", passed=passed, checks=len(results.rows), status="done")
     return 0 if passed == len(results.rows) - 1 else 1
