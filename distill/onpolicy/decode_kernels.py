@@ -34,11 +34,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr,  # (R, H) rows, (H,) weight, (R, H) 
 
 
 @triton.jit
-def _rounded(x, dtype):
-    return x.to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _rope_write_kernel(qkv_ptr,  # (B, (HQ + 2 HKV) * D): one token's q | k | v per row
                        cos_ptr, sin_ptr,  # (B, D) each
                        k_ptr, v_ptr,  # (B, HKV, L, D) views of the cache (same strides)
@@ -60,8 +55,8 @@ def _rope_write_kernel(qkv_ptr,  # (B, (HQ + 2 HKV) * D): one token's q | k | v 
         s1 = tl.load(sin_ptr + b * stride_cs + offs).to(tl.float32)
         s2 = tl.load(sin_ptr + b * stride_cs + HALF + offs).to(tl.float32)
         # x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], rounded op by op
-        o1 = (_rounded(x1 * c1, dt) + _rounded(-x2 * s1, dt)).to(dt)
-        o2 = (_rounded(x2 * c2, dt) + _rounded(x1 * s2, dt)).to(dt)
+        o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
         if h < HQ:
             tl.store(src + offs, o1)
             tl.store(src + HALF + offs, o2)
@@ -84,7 +79,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr,  # (R, 2 N) [gate | up], (R, N)
     dt = out_ptr.dtype.element_ty
     g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_gu + N + offs, mask=mask, other=0.0).to(tl.float32)
-    s = _rounded(g / (1.0 + tl.exp(-g)), dt)  # F.silu, to the dtype, then the product
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu, to the dtype, then times up
     tl.store(out_ptr + row * stride_o + offs, (s * u).to(dt), mask=mask)
 
 

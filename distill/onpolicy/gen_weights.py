@@ -59,8 +59,8 @@ class GenerationCopy:
                              "sharded (FSDP): use the HF sampler with FSDP")
         device = next(model.parameters()).device
         config = copy.deepcopy(model.config)
-        with torch.device("meta"):
-            self.model = type(model)._from_config(config, dtype=dtype)
+        with torch.device("meta"):  # sdpa to build (the sampler sets its own attention after)
+            self.model = type(model)._from_config(config, dtype=dtype, attn_implementation="sdpa")
         self.model.to_empty(device=device)  # new tensors: a tied head is untied here
         if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
             self.model.get_output_embeddings().weight = self.model.get_input_embeddings().weight
