@@ -160,7 +160,7 @@ def hf_rows(results: Results, args, name: str, model, rows, new: int) -> None:
             with torch.autocast(DEVICE, dtype=torch.bfloat16):
                 return measure(lambda: hf(model, rows[:batch], seed=batch), 1)
 
-        results.attempt("HFSampler", 240, run, student=name, method="HFSampler",
+        results.attempt("HFSampler", 90, run, student=name, method="HFSampler",
                         batch=batch, new=new)
 
 
@@ -188,7 +188,7 @@ def hf_static_rows(results: Results, args, name: str, bf16_model, rows, new: int
             warm = time.perf_counter() - start  # (.tolist() synchronized)
             return {**measure(lambda: generate(batch), 2), "warmup_s": round(warm, 1)}
 
-        results.attempt("HF static", 300, run, student=name, method="HF static",
+        results.attempt("HF static", 150, run, student=name, method="HF static",
                         batch=batch, new=new)
 
 
