@@ -50,8 +50,8 @@ from bench.rollout_models import (  # noqa: E402
     student,
     weight_bytes,
 )
+from distill.onpolicy.samplers import HFSampler, SamplingSettings  # noqa: E402
 from distill.onpolicy.static_sampler import StaticSampler  # noqa: E402
-from distill.rollout import HFSampler  # noqa: E402
 
 HBM = 4.8e12  # H200 bytes/s
 BF16_FLOPS = 989e12  # H200 dense bf16
@@ -151,7 +151,7 @@ def static_sampler_rows(results: Results, name: str, model, rows, new: int, batc
 
 def hf_rows(results: Results, args, name: str, model, rows, new: int) -> None:
     vocab = model.config.vocab_size
-    hf = HFSampler(1.0, 1.0, new, [EOS], 0, vocab)
+    hf = HFSampler(SamplingSettings(1.0, 1.0, new, [EOS], 0, vocab))
     for batch in args.batches:
         if not chosen(args.hf, batch, new, lambda b, n: n == 128 or b == 64):
             continue
@@ -249,7 +249,7 @@ def main() -> int:
                                     fused=False)
 
         def hf_first_call(model=model, rows=rows):  # HF's own first-call costs, once
-            hf = HFSampler(1.0, 1.0, 4, [EOS], 0, model.config.vocab_size)
+            hf = HFSampler(SamplingSettings(1.0, 1.0, 4, [EOS], 0, model.config.vocab_size))
             with torch.autocast(DEVICE, dtype=torch.bfloat16):
                 return measure(lambda: hf(model, rows[:4], seed=0), 1)
 

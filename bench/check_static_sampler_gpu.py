@@ -26,8 +26,8 @@ import torch  # noqa: E402
 
 from bench.harness import Results, environment, gib, timed  # noqa: E402
 from bench.rollout_models import EOS, bf16_weights, prompts, small, student  # noqa: E402
+from distill.onpolicy.samplers import HFSampler, SamplingSettings  # noqa: E402
 from distill.onpolicy.static_sampler import StaticSampler  # noqa: E402
-from distill.rollout import HFSampler  # noqa: E402
 
 VOCAB = 1000  # tokenizer entries of the small models; their heads have 1024 rows
 DEVICE = "cuda"  # --cpu-dry-run: the same code on CPU (graph checks then fail), to test it
@@ -228,9 +228,9 @@ def check_no_recapture_after_warmup():
 
 
 def check_lora_fp32_equals_hf():
-    from distill.lora import apply_lora, check_lora
+    from distill.lora import LoraConfig, apply_lora
 
-    model = apply_lora(small("llama", DEVICE), check_lora({"r": 8})).train()
+    model = apply_lora(small("llama", DEVICE), LoraConfig(**{"r": 8})).train()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -274,7 +274,7 @@ def check_timing_qwen05b_batch64(hf_baseline: bool):
     row = {"fused": timing(model, rows, True), "unfused": timing(model, rows, False)}
     seconds = row["fused"]["seconds"]
     if hf_baseline:
-        hf = HFSampler(1.0, 1.0, 128, [EOS], 0, model.config.vocab_size)
+        hf = HFSampler(SamplingSettings(1.0, 1.0, 128, [EOS], 0, model.config.vocab_size))
         with torch.autocast("cuda", dtype=torch.bfloat16):  # as DistillModule calls it
             hf(model, rows[:4], seed=0)  # its own warm-up
             hf_s, _, _ = timed(lambda: hf(model, rows, seed=1))

@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def on_path() -> None:
-    """distill from this checkout (installed or not), and scripts/ for the shared shapes."""
-    for path in (ROOT, ROOT / "scripts"):
+    """distill from this checkout (installed or not), and bench/ for the shared shapes."""
+    for path in (ROOT, ROOT / "bench"):
         if str(path) not in sys.path:
             sys.path.insert(0, str(path))
 

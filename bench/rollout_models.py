@@ -1,5 +1,5 @@
 """Random-weight models for the rollout bench and the GPU check: the public student shapes
-of scripts/bench_train_steps.py (Qwen2.5-0.5B, Llama-3.2-1B), and small GQA models whose
+of bench/bench_train_steps.py (Qwen2.5-0.5B, Llama-3.2-1B), and small GQA models whose
 peaked logits (init 0.2) leave greedy decoding no near-ties to flip."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ on_path()
 from bench_train_steps import LLAMA, QWEN, TINY  # noqa: E402  (one copy of the shapes)
 
 STUDENTS = {"qwen2.5-0.5b": ("qwen2", QWEN), "llama-3.2-1b": ("llama", LLAMA),
-            "tiny": ("qwen2", TINY)}  # tiny: the scripts' CPU dry runs
+            "tiny": ("qwen2", TINY)}  # tiny: the benches' CPU dry runs
 EOS = 2
 
 

@@ -15,7 +15,9 @@ def make_sampler(name: str, settings: SamplingSettings, device_type: str):
         return HFSampler(settings)
     from distill.onpolicy.static_sampler import StaticSampler
 
-    return StaticSampler(settings)
+    s = settings
+    return StaticSampler(s.temperature, s.top_p, s.max_new_tokens, s.eos_token_ids,
+                         s.pad_token_id, s.vocab_size)
 
 
 class OnPolicyStep:

@@ -104,9 +104,14 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec, need_g
         if need_grad and spec.ce_weight:
             dz = dz + spec.ce_weight * logp_hard.exp()
             dz.scatter_add_(-1, labels[:, None], dz.new_full((len(labels), 1), -spec.ce_weight))
+    # renormalized top-k alone: entries off the K ids get exactly 0, and the K ids' own
+    # gradient was finished from the others already (_category_grad)
+    renorm_only = (zt is None and spec.sparse_mode == "renormalize"
+                   and not (labels is not None and spec.ce_weight))
     if need_grad:
-        # the largest logit's entry last, from all the others (the CE's included)
-        dz = _zero_sum_at(dz, zs.argmax(-1, keepdim=True))
+        if not renorm_only:
+            # the largest logit's entry last, from all the others (the CE's included)
+            dz = _zero_sum_at(dz, zs.argmax(-1, keepdim=True))
         if row_scale is not None:
             dz = dz * row_scale[:, None].to(dz.dtype)
     return loss, dz.to(grad_dtype) if need_grad else None

@@ -138,13 +138,14 @@ def _sparse_fwd_kernel(
     if NEED_GRAD:
         _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, label, mt,
                      lt, m1, l1, da_k, da_t, inv_t, factor * inv_t, ce_weight, CE_GRAD, HAS_SCALE,
-                     ALIAS, BLOCK)
+                     ALIAS, BLOCK, RENORM)
 
 
 @triton.jit
 def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, label, mt, lt,
                  m1, l1, da_k, da_t, inv_t, gf, ce_weight, CE_GRAD: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, ALIAS: tl.constexpr, BLOCK: tl.constexpr):
+                 HAS_SCALE: tl.constexpr, ALIAS: tl.constexpr, BLOCK: tl.constexpr,
+                 RENORM: tl.constexpr):
     """Write the gradient: the tail entries share da_t in proportion to their part of the
     tail (pass 2, backwards), then the K ids, then the row's largest logit from the rest."""
     offs = tl.arange(0, BLOCK)
@@ -187,5 +188,8 @@ def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, labe
     tl.debug_barrier()  # the top-k stores below must land after pass 2's
     tl.store(dz_row + ids, (gk * rs).to(dz_ptr.dtype.element_ty), mask=kmask)
     tl.debug_barrier()
-    tl.store(dz_row + ri, (-(acc + tl.sum(gk, 0)) * rs).to(dz_ptr.dtype.element_ty),
-             mask=tl.max(zk_m, 0) <= rm)
+    # renormalized top-k alone: the tail's entries are exactly 0 (pass 2 wrote them), so the
+    # largest one is left as it is rather than set from the others' rounding
+    if CE_GRAD or not RENORM:
+        tl.store(dz_row + ri, (-(acc + tl.sum(gk, 0)) * rs).to(dz_ptr.dtype.element_ty),
+                 mask=tl.max(zk_m, 0) <= rm)

@@ -232,27 +232,6 @@ def row_scales(x, c):
             "student_weight columns": dw.norm(dim=0), "student_bias": c.sum(0)}
 
 
-def renormalize_argmax_rows(case, x, heads, vocab_size):
-    """Vocab rows whose true gradient is exactly zero but the op fills with fp32 rounding
-    noise (see test_renormalize_gives_no_gradient_outside_the_cached_ids): the student's
-    argmax of a trained position, outside that position's cached ids, with no CE."""
-    if not case["target"].startswith("renorm") or case["ce_weight"]:
-        return torch.zeros(0, dtype=torch.long)
-    trained = torch.ones(len(x["student_hidden"]), dtype=torch.bool)
-    if "labels" in x:
-        trained &= x["labels"] != case.get("ignore_index", -100)
-    if "weights" in x:
-        trained &= x["weights"] != 0
-    v = vocab_size or len(x["student_weight"])
-    z = x["student_hidden"] @ x["student_weight"][:v].T
-    head = heads["student_head"] or {}
-    if head.get("bias") is not None:
-        z = z + head["bias"][:v]
-    top = z.argmax(-1)
-    outside = trained & ~(x["target_ids"] == top[:, None]).any(-1)
-    return top[outside].unique()
-
-
 @pytest.mark.parametrize("case", CASES, ids=[case_id(i, c) for i, c in enumerate(CASES)])
 def test_matches_the_oracle(case, request):
     impl = case["impl"]
@@ -276,27 +255,16 @@ def test_matches_the_oracle(case, request):
                                        rtol=LOSS_TOL[0], atol=LOSS_TOL[1], msg=name)
     assert set(got_grads) == set(want_grads)
     scales = row_scales(x, logit_grads(x, heads, g, **{**opts, "return_components": False}))
-    # the one known defect: noise of fp32's eps times the gradient's size, allowed on the
-    # rows it touches only, until the op is fixed (then its xfail test passes, strictly)
-    noisy = renormalize_argmax_rows(case, x, heads, vocab_size)
     for name, want_g in want_grads.items():
         assert got_grads[name] is not None, name
         if name != "student_bias":  # the bias gradient comes back in fp32
             assert got_grads[name].dtype == dtype, (name, got_grads[name].dtype)
-        scale = scales[name].clone()
-        if name != "student_hidden":
-            scale[noisy] = 1e-2 * scales[name].max()
-        assert_rows_close(got_grads[name], want_g, ROW_RTOL, ROW_ATOL, name, scale)
+        assert_rows_close(got_grads[name], want_g, ROW_RTOL, ROW_ATOL, name, scales[name])
         if name == "student_weight":  # per hidden unit too
             assert_rows_close(got_grads[name].T, want_g.T, ROW_RTOL, ROW_ATOL,
                               "student_weight columns", scales["student_weight columns"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "renormalize mode: the op sets the gradient of the student's largest logit to minus the "
-    "sum of the others (distill/ops/divergence_torch.py:109, distill/ops/sparse_triton.py:190)"
-    "; outside the cached ids that logit does not enter the loss, so its true gradient is 0 "
-    "and the op writes fp32 rounding noise (~1e-9) there instead"))
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_renormalize_gives_no_gradient_outside_the_cached_ids(backend, request):
     """With sparse_mode='renormalize' and no CE the loss depends on the K cached logits

@@ -169,9 +169,9 @@ def test_a_tied_head_stays_tied_in_the_copy():
 
 def test_lora_student_decodes_with_its_adapters_merged():
     pytest.importorskip("peft")
-    from distill.lora import apply_lora, check_lora
+    from distill.lora import LoraConfig, apply_lora
 
-    model = apply_lora(tiny("llama"), check_lora({"r": 4})).train()  # as in training
+    model = apply_lora(tiny("llama"), LoraConfig(**{"r": 4})).train()  # as in training
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
