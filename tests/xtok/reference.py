@@ -64,11 +64,12 @@ def hybrid(s_atoms: dict, t_atoms: dict, pairs, s_first, t_first, spec, uld_weig
 def reference_loss(student_hidden, student_weight, teacher_logprobs, *, spans, labels,
                    teacher_targets, weights=None, mode="hybrid", pairs=(), kind="reverse_kl",
                    beta=0.5, temperature=1.0, ce_weight=0.0, ignore_index=-100,
-                   temperature_squared=False, uld_weight=1.0, vocab=None):
+                   temperature_squared=False, divergence_weight=1.0, uld_weight=1.0,
+                   vocab=None):
     """sum over spans of omega_j L_j + ce_weight sum_i w_i CE_i; teacher_logprobs (Nt, Vt)
     at the temperature already."""
     spec = DivergenceSpec(kind, beta, temperature, ce_weight, ignore_index,
-                          temperature_squared)
+                          temperature_squared, "tail", divergence_weight)
     v = vocab or student_weight.shape[0]
     z = student_hidden @ student_weight[:v].T
     logq = torch.log_softmax(z / temperature, -1)
