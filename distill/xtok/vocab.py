@@ -7,9 +7,10 @@ tokens: a teacher's "<|im_end|>" control token is not the student's text "<|im_e
 Control tokens that play the same role under different names (ChatML's "<|im_end|>" and
 Llama-3's "<|eot_id|>" both end an assistant turn) are paired explicitly (`equivalent`).
 
-The map is a partial bijection: when one vocabulary holds several ids with the same bytes
-(an added token that repeats a merge, byte-fallback "<0x20>" beside "▁"), the lowest id is
-matched and the others stay unmatched.
+The map is a partial bijection: when a vocabulary holds several ids with the same bytes (an
+added token that repeats a merge, byte fallback "<0x41>" beside "A"), the k-th of them (in
+id order) pairs with the k-th of the other side's, so that a tokenizer maps onto itself as
+the identity.
 """
 
 from __future__ import annotations
@@ -136,11 +137,13 @@ class VocabMap:
         pairs: dict[int, int] = {}
         keys = []
         for tok in (student_tokenizer, teacher_tokenizer):
-            specials, first = special_ids(tok), {}
+            specials, ranked, seen = special_ids(tok), {}, {}
             for i, b in enumerate(token_bytes(tok)):
                 if b is not None:
-                    first.setdefault((i in specials, b), i)
-            keys.append(first)
+                    key = (i in specials, b)
+                    seen[key] = seen.get(key, -1) + 1
+                    ranked[(*key, seen[key])] = i
+            keys.append(ranked)
         for key, s in keys[0].items():
             t = keys[1].get(key)
             if t is not None:
