@@ -11,6 +11,7 @@ A paired example is a dict:
     input_ids, labels            the student's, as ChatEncoder gives them
     teacher_input_ids            the teacher's tokens of its own rendering
     teacher_labels               its assistant labels (the teacher's trained positions)
+    teacher_offsets              (with_offsets) byte range of each teacher token
     xtok_spans                   [(s_lo, s_hi, t_lo, t_hi)]: token indices (label coordinates)
                                  of the aligned spans; token k is predicted by position k - 1
     xtok_counts                  (trained student tokens, of which inside a span)
@@ -58,8 +59,9 @@ def encode_with_offsets(encoder: ChatEncoder, messages: list[dict]):
 class PairEncoder:
     """Renders each conversation for both models and aligns their assistant runs."""
 
-    def __init__(self, student: ChatEncoder, teacher: ChatEncoder):
+    def __init__(self, student: ChatEncoder, teacher: ChatEncoder, with_offsets: bool = False):
         self.student, self.teacher = student, teacher
+        self.with_offsets = with_offsets  # keep the teacher's byte offsets (for its cache)
         self._special = (special_ids(student.tokenizer), special_ids(teacher.tokenizer))
         self._last = None  # last-turn encoders, made when a conversation needs them
 
@@ -119,7 +121,10 @@ class PairEncoder:
         spans = []
         for s_run, t_run in zip(s_runs, t_runs):
             spans += align_runs(_run(s_side, *s_run), _run(t_side, *t_run))
-        return paired_example(s_ids, s_labels, t_ids, t_labels, spans)
+        out = paired_example(s_ids, s_labels, t_ids, t_labels, spans)
+        if self.with_offsets:
+            out["teacher_offsets"] = t_side[1]
+        return out
 
     def special_equivalents(self) -> list[tuple[str, str]]:
         """(student, teacher) control tokens that close an assistant turn, found by pairing
