@@ -169,8 +169,8 @@ def xtok_rows(hs, ws, teacher: TeacherSide, plan: Plan, spec: DivergenceSpec, mo
     docstring for the passes. `ce_sum` (0-dim fp32) receives sum_i w_i ce_i when given."""
     dev, t, cw = hs.device, spec.temperature, spec.ce_weight
     vs = ws.shape[0]
-    span_chunk, row_chunk = chunk_sizes(vs, teacher.vocab, len(tables[0]) if tables else 0,
-                                        dev, chunk_size)
+    pairs = len(tables.student_ids) if tables is not None else 0
+    span_chunk, row_chunk = chunk_sizes(vs, teacher.vocab, pairs, dev, chunk_size)
     fold = _Folder(hs, ws, student_head, needs if need_grad else (False,) * 3,
                    fp32_weight_grad) if need_grad else None
     n_span = len(plan.first_s)

@@ -28,7 +28,14 @@ distribution is q itself.
   student token is s_1, or whose teacher token is t_1, is taken out of the pairs for that
   span (those tokens are A and D now) and its other token goes to its side's rest. With
   identical tokenizers every span is one token on both sides, every token is a pair, the
-  rest is empty and the hybrid is the same-vocabulary divergence exactly.
+  rest is empty and the hybrid is the same-vocabulary divergence exactly. Only the rest's
+  columns (the unpaired tokens, plus two per span) are sorted.
+
+Cost of the sorts (per chunk of c spans): `uld` sorts c x (Vs + 1) and c x (Vt + 1) fp32
+values; torch.sort also returns int64 indices, so 12 B per entry and side are live at
+once, and the time is that of a segmented radix sort, O(V) passes over memory per row
+(it dominates the GEMMs of a small student's head). `hybrid` sorts only c x (Rs + 2) and
+c x (Rt + 2), R the unpaired part of each vocabulary.
 
 Gradients: with a the atom logits and Q = softmax(a), a loss term f(Q) gives
 d f / d a = Q * (G - <Q, G>), G = d f / d Q; the divergence over categories uses the
@@ -116,61 +123,71 @@ def uld_span(logq, logp, s_first, t_first, cs, ct, t: float, need_grad: bool):
     return loss, _to_student(da[:, :-1], da[:, -1], s_first, t), dcont
 
 
-def _rest_mask(static_rest, first, moved):
-    """(c, V) atoms of the rest bucket, D excluded: the unpaired tokens, less the span's own
-    first token (it is A and D), plus the token whose partner is the other side's first."""
-    rows = torch.arange(len(first), device=first.device)
-    rest = static_rest.expand(len(first), -1).clone()
-    rest[rows, first] = False
+def _rest(atoms, d, unpaired, first, moved):
+    """The rest bucket's atoms of one side, (c, R + 2): the unpaired tokens (less the span's
+    own first token: it is A and D), the paired token whose partner is the other side's
+    first token (or nothing), and D. Only these columns are sorted for ULD."""
+    rows = torch.arange(len(first), device=atoms.device)
+    block = atoms[:, unpaired].masked_fill_(unpaired[None, :] == first[:, None], NEG_INF)
+    moved_lp = torch.where(moved >= 0, atoms[rows, moved.clamp_min(0)], NEG_INF)
+    return torch.cat([block, moved_lp[:, None], d[:, None]], -1)
+
+
+def _rest_to_atoms(x, unpaired, moved, vocab):
+    """Scatter rest-bucket columns (c, R + 2) back to atom columns (c, V + 1)."""
+    c, rows = x.shape[0], torch.arange(x.shape[0], device=x.device)
+    out = torch.zeros((c, vocab + 1), dtype=x.dtype, device=x.device)
+    out[:, unpaired] = x[:, :len(unpaired)]
     has = moved >= 0
-    rest[rows[has], moved[has]] = True
-    return rest
+    out[rows[has], moved[has]] += x[has, -2]
+    out[:, -1] = x[:, -1]
+    return out
 
 
 def hybrid_span(logq, logp, s_first, t_first, cs, ct, tables, spec: DivergenceSpec,
                 uld_weight: float, need_grad: bool):
     """Exact divergence over (pairs, A, rest) + uld_weight * ULD inside the rest."""
-    ms, mt, pair_s, pair_t = tables
-    t = spec.temperature
+    ms, mt = tables.student_ids, tables.teacher_ids
+    t, vs = spec.temperature, logq.shape[1]
     c, rows = len(s_first), torch.arange(len(s_first), device=logq.device)
-    ps, pt = pair_s[s_first], pair_t[t_first]  # (c,) the pairs the span's first tokens are in
+    ps, pt = tables.pair_of_student[s_first], tables.pair_of_teacher[t_first]
     a_s, d_s = atom_logprobs(logq, s_first, cs)
     a_t, d_t = atom_logprobs(logp, t_first, ct)
-    # the pairs that hold s_1 or t_1 leave the matched categories for this span
+    # the pairs that hold s_1 or t_1 leave the matched categories for this span, and the
+    # other token of such a pair joins its side's rest
     drop = torch.zeros((c, len(ms)), dtype=torch.bool, device=logq.device)
     for p_idx in (ps, pt):
         drop[rows[p_idx >= 0], p_idx[p_idx >= 0]] = True
-    other = lambda idx, ids: torch.where((idx >= 0) & (ps != pt), ids[idx.clamp_min(0)], -1)
-    rest_s = _rest_mask(pair_s < 0, s_first, other(pt, ms))
-    rest_t = _rest_mask(pair_t < 0, t_first, other(ps, mt))
-    lr_s = torch.cat([a_s.masked_fill(~rest_s, NEG_INF), d_s[:, None]], -1)  # (c, Vs + 1)
-    lr_t = torch.cat([a_t.masked_fill(~rest_t, NEG_INF), d_t[:, None]], -1)
+    moved_s = torch.where((pt >= 0) & (ps != pt), ms[pt.clamp_min(0)], -1)
+    moved_t = torch.where((ps >= 0) & (ps != pt), mt[ps.clamp_min(0)], -1)
+    lr_s = _rest(a_s, d_s, tables.unpaired_student, s_first, moved_s)  # (c, Rs + 2)
+    lr_t = _rest(a_t, d_t, tables.unpaired_teacher, t_first, moved_t)
     tail_s, tail_t = torch.logsumexp(lr_s, -1), torch.logsumexp(lr_t, -1)
     if spec.kind == "reverse_kl":  # else a rest the teacher leaves empty is infinite
         tail_t = tail_t.clamp_min(math.log(TAIL_FLOOR))
-    cat_s = torch.cat([logq[:, ms].masked_fill(drop, NEG_INF), a_s[rows, s_first, None],
+    log_a = a_s[rows, s_first]
+    cat_s = torch.cat([logq[:, ms].masked_fill_(drop, NEG_INF), log_a[:, None],
                        tail_s[:, None]], -1)  # (c, M + 2)
-    cat_t = torch.cat([logp[:, mt].masked_fill(drop, NEG_INF), a_t[rows, t_first, None],
+    cat_t = torch.cat([logp[:, mt].masked_fill_(drop, NEG_INF), a_t[rows, t_first, None],
                        tail_t[:, None]], -1)
     div, g_div = _divergence_and_g(cat_t, cat_s, spec)
-    q_rest, p_rest = lr_s.exp(), lr_t.exp()
-    uld, g_uld = sorted_l1(q_rest, p_rest, need_grad)
+    uld, g_uld = sorted_l1(lr_s.exp(), lr_t.exp(), need_grad)
     loss = div + uld_weight * uld
     if not need_grad:
         return loss, None, None
-    da_cat = _category_grad(cat_t, cat_s, g_div)  # (c, M + 2)
     m = len(ms)
-    share = torch.where(tail_s[:, None] > NEG_INF, torch.exp(lr_s - tail_s[:, None]), 0.0)
-    da = share * da_cat[:, m + 1:]  # the rest's atoms, D included (c, Vs + 1)
+    da_cat = _category_grad(cat_t, cat_s, g_div)  # (c, M + 2)
+    has_rest = tail_s[:, None] > NEG_INF
+    share = torch.where(has_rest, torch.exp(lr_s - tail_s[:, None]), 0.0)
+    da = _rest_to_atoms(share * da_cat[:, m + 1:], tables.unpaired_student, moved_s, vs)
     da[:, ms] += da_cat[:, :m]
     da[rows, s_first] += da_cat[:, m]
-    big_a = a_s[rows, s_first].exp()
-    dcont = da_cat[:, m] - torch.exp(a_s[rows, s_first] - tail_s).nan_to_num(0.0) * da_cat[:, -1]
+    ratio = torch.where(has_rest[:, 0], torch.exp(log_a - tail_s), 0.0)  # A / Q_rest
+    dcont = da_cat[:, m] - ratio * da_cat[:, -1]
     if uld_weight:
-        atoms = torch.cat([a_s, d_s[:, None]], -1).exp_()
-        g_uld = g_uld * (lr_s > NEG_INF)  # a zeroed entry is no atom of the rest
-        da += uld_weight * _softmax_grad(atoms, g_uld)
-        dcont -= uld_weight * big_a * g_uld[:, -1]
+        g = _rest_to_atoms(g_uld * (lr_s > NEG_INF), tables.unpaired_student, moved_s, vs)
+        da += uld_weight * _softmax_grad(torch.cat([a_s, d_s[:, None]], -1).exp_(), g)
+        dcont -= uld_weight * log_a.exp() * g[:, -1]
     return loss, _to_student(da[:, :-1], da[:, -1], s_first, t), dcont
 
 

@@ -168,15 +168,27 @@ class VocabMap:
         return (self.student_size == self.teacher_size == len(self)
                 and bool((self.student_ids == self.teacher_ids).all()))
 
-    def tables(self, device) -> tuple[torch.Tensor, ...]:
-        """(student ids, teacher ids, pair of each student id or -1, pair of each teacher
-        id or -1) on `device`, built once per device."""
+    def tables(self, device) -> MapTables:
+        """The map as index tensors on `device`, built once per device."""
         key = str(device)
         if key not in self._tables:
             ms, mt = self.student_ids.to(device), self.teacher_ids.to(device)
             pos = torch.arange(len(ms), device=device)
             pair_s = torch.full((self.student_size,), -1, dtype=torch.long, device=device)
             pair_t = torch.full((self.teacher_size,), -1, dtype=torch.long, device=device)
-            self._tables[key] = (ms, mt, pair_s.index_copy_(0, ms, pos),
-                                 pair_t.index_copy_(0, mt, pos))
+            pair_s.index_copy_(0, ms, pos)
+            pair_t.index_copy_(0, mt, pos)
+            self._tables[key] = MapTables(ms, mt, pair_s, pair_t,
+                                          (pair_s < 0).nonzero().squeeze(1),
+                                          (pair_t < 0).nonzero().squeeze(1))
         return self._tables[key]
+
+
+@dataclass(frozen=True)
+class MapTables:
+    student_ids: torch.Tensor  # (M,) the student token of each pair
+    teacher_ids: torch.Tensor  # (M,)
+    pair_of_student: torch.Tensor  # (Vs,) the pair a student token is in, or -1
+    pair_of_teacher: torch.Tensor  # (Vt,)
+    unpaired_student: torch.Tensor  # (Rs,) student tokens in no pair
+    unpaired_teacher: torch.Tensor  # (Rt,)
