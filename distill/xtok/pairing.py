@@ -24,7 +24,7 @@ turn, each trained on its last turn only.
 from __future__ import annotations
 
 from distill.data.chat import IGNORE_INDEX, ChatEncoder, TemplateError
-from distill.data.tokenize import with_bos_eos
+from distill.data.tokenize import cpt_windows, with_bos_eos
 from distill.xtok.align import AlignmentError, Run, align_runs, char_to_byte_offsets, trained_runs
 from distill.xtok.vocab import special_ids
 
@@ -164,3 +164,39 @@ def truncate(example: dict, max_length: int, teacher_max_length: int | None = No
     out = dict(example)
     out.update(paired_example(s_ids, s_labels, t_ids, t_labels, spans))
     return out
+
+
+def windows(example: dict, max_length: int, stride: int | None = None,
+            teacher_max_length: int | None = None) -> list[dict]:
+    """A long paired document as the student's CPT windows (`cpt_windows`: each student
+    token trained once), each with the teacher tokens of its spans. A span is kept in the
+    window that trains all of its student tokens; the teacher's window starts one token
+    before its first kept span (context, as the student's first token is) and is cut at
+    `teacher_max_length`. A span split by a window edge keeps the student's CE only."""
+    t_max = teacher_max_length or max_length
+    out, start = [], 0
+    spans = example["xtok_spans"]
+    t_ids = example["teacher_input_ids"]
+    for s_ids, s_labels in cpt_windows(example["input_ids"], max_length, stride):
+        start = _window_start(example["input_ids"], s_ids, start)
+        end = start + len(s_ids)
+        trained = {start + k for k, y in enumerate(s_labels) if k and y != IGNORE_INDEX}
+        kept = [x for x in spans if all(k in trained for k in range(x[0], x[1]))]
+        t_lo = (kept[0][2] - 1) if kept else 0
+        kept = [x for x in kept if x[3] - t_lo <= t_max and x[1] <= end]
+        t_hi = kept[-1][3] if kept else min(len(t_ids), t_lo + 1)
+        t_labels = [IGNORE_INDEX] * (t_hi - t_lo)
+        for _, _, c, d in kept:
+            t_labels[c - t_lo:d - t_lo] = t_ids[c:d]
+        local = [(a - start, b - start, c - t_lo, d - t_lo) for a, b, c, d in kept]
+        out.append({**example, **paired_example(s_ids, s_labels, t_ids[t_lo:t_hi], t_labels,
+                                                local)})
+    return out
+
+
+def _window_start(ids: list[int], window: list[int], after: int) -> int:
+    """Where `window` starts in `ids` (at or after `after`): cpt_windows does not say."""
+    for k in range(after, len(ids) - len(window) + 1):
+        if ids[k:k + len(window)] == window:
+            return k
+    raise ValueError("a CPT window is not a slice of its document")

@@ -5,6 +5,7 @@ import pytest
 from distill.data.chat import ChatEncoder, MergedBoundary
 from distill.xtok import AlignmentError, PairEncoder, VocabMap, truncate
 from distill.xtok.align import Run, align_runs
+from distill.xtok.pairing import windows
 from tests.data.templates import QWEN3
 from tests.xtok.families import FAMILIES, make_family_tokenizer
 
@@ -143,3 +144,20 @@ def test_different_run_counts_are_refused(toks):
     t = ([1, 2, 3, 4], [-100, 2, 3, 4], "abcd", [(0, 1), (1, 2), (2, 3), (3, 4)])
     with pytest.raises(AlignmentError, match="trained runs"):
         enc._pair(s, t)
+
+
+def test_long_documents_are_windowed_like_cpt(toks):
+    text = " ".join(["The sum of 123 and 456 is 579; Café 日本語."] * 6)
+    whole = pair(toks, "qwen", "llama3").plain_text(text)
+    wins = windows(whole, max_length=24)
+    assert len(wins) > 3
+    trained = [y for w in wins for k, y in enumerate(w["labels"]) if k and y != -100]
+    assert trained == whole["input_ids"][1:]  # each student token trained once
+    kept = 0
+    for w in wins:
+        texts = span_texts(w, toks["qwen"], toks["llama3"])
+        assert all(s == t or (s, t) == ("<|im_end|>", "<|eot_id|>") for s, t in texts)
+        assert all(w["labels"][a] != -100 for a, _, _, _ in w["xtok_spans"])
+        assert w["teacher_labels"][0] == -100 and len(w["teacher_input_ids"]) <= 24
+        kept += w["xtok_counts"][1]
+    assert kept > 0.8 * whole["xtok_counts"][1]  # only spans split by an edge are lost
