@@ -2,6 +2,8 @@
 
     teacher_input_ids       (B, Tt)  the teacher's tokens, right-padded
     teacher_attention_mask  (B, Tt)
+    teacher_labels          (B, Tt)  the teacher's own assistant labels (-100 elsewhere): its
+                                     trained positions, for a cache job or its validation CE
     teacher_prompt_lengths  (B,)     teacher tokens before its first trained one (on-policy
                                      rows keep these and append the re-tokenized sample)
     xtok_spans              (S, 5)   [row, student lo, hi, teacher lo, hi): token indices
@@ -36,6 +38,7 @@ class PairCollator:
         width = -(-longest // self.multiple) * self.multiple
         ids = torch.full((len(examples), width), self.teacher_pad, dtype=torch.long)
         attn = torch.zeros((len(examples), width), dtype=torch.long)
+        t_labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
         prompt = torch.zeros(len(examples), dtype=torch.long)
         spans = []
         for b, ex in enumerate(examples):
@@ -43,9 +46,11 @@ class PairCollator:
             ids[b, :k] = torch.as_tensor(ex["teacher_input_ids"])
             attn[b, :k] = 1
             labels = ex.get("teacher_labels") or [IGNORE_INDEX] * k
+            t_labels[b, :k] = torch.as_tensor(labels)
             prompt[b] = next((j for j, y in enumerate(labels) if j and y != IGNORE_INDEX), k)
             spans += [(b, *s) for s in ex["xtok_spans"]]
         batch["teacher_input_ids"], batch["teacher_attention_mask"] = ids, attn
+        batch["teacher_labels"] = t_labels
         batch["teacher_prompt_lengths"] = prompt
         batch["xtok_spans"] = torch.tensor(spans, dtype=torch.long).reshape(-1, 5)
         return batch

@@ -113,6 +113,9 @@ def test_batch_spans_point_at_the_right_rows(toks):
     for (s_lo, s_hi, t_lo, t_hi), (b, a, e, c, d) in zip(rows, spans):
         assert labels[s_lo:s_hi].tolist() == examples[b]["input_ids"][a:e]
         assert t_targets[t_lo:t_hi].tolist() == examples[b]["teacher_input_ids"][c:d]
+    for b, ex in enumerate(examples):
+        k = len(ex["teacher_labels"])
+        assert batch["teacher_labels"][b, :k].tolist() == ex["teacher_labels"]
     prompt = batch["teacher_prompt_lengths"].tolist()
     assert all(ex["teacher_labels"][p] != -100 and set(ex["teacher_labels"][1:p]) == {-100}
                for ex, p in zip(examples, prompt))
