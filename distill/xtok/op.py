@@ -162,95 +162,129 @@ def _minus_onehot(x, labels, scale):
     return x.scatter_add_(1, labels[:, None], -scale[:, None].expand(-1, 1).to(x.dtype))
 
 
+class _Run:
+    """One call's state shared by the passes: the student side, the loss so far, the CE."""
+
+    def __init__(self, hs, ws, plan: Plan, spec, student_head, fold, ce_sum):
+        self.hs, self.ws, self.plan, self.spec, self.head = hs, ws, plan, spec, student_head
+        self.fold, self.ce_sum = fold, ce_sum
+        self.want_ce = bool(spec.ce_weight) or ce_sum is not None
+        self.loss = torch.zeros((), dtype=torch.float32, device=hs.device)
+
+    def project(self, rows):
+        """fp32 student logits (c, Vs) of some rows, and the soft-cap's tanh or None."""
+        z = torch.empty((len(rows), self.ws.shape[0]), dtype=torch.float32,
+                        device=self.hs.device)
+        return _project(self.hs[rows], self.ws, self.head, z)
+
+    def add_ce(self, ce, rows):
+        w = self.plan.weights[rows]
+        if self.spec.ce_weight:
+            self.loss = self.loss + self.spec.ce_weight * (ce @ w)
+        if self.ce_sum is not None:
+            self.ce_sum.add_(ce @ w)
+
+    def ce_grad(self, soft, labels, rows):
+        """ce_weight * w * (softmax(z) - onehot), written over `soft`."""
+        wc = self.plan.weights[rows] * self.spec.ce_weight
+        return _minus_onehot(soft.mul_(wc[:, None]), labels, wc)
+
+    def fold_rows(self, dz, z, rows, us):
+        # the largest logit's entry last, from all the others (every row sums to zero)
+        self.fold(_zero_sum_at(dz, z.argmax(-1, keepdim=True)), rows, us)
+
+
+def _inner_pass(run: _Run, chunk: int):
+    """Pass 2: C of each span on the student side, and the inner rows' logsumexp at T."""
+    plan, t = run.plan, run.spec.temperature
+    cs = torch.zeros(len(plan.first_s), dtype=torch.float32, device=run.hs.device)
+    lse_t = torch.empty(len(plan.inner_s), dtype=torch.float32, device=run.hs.device)
+    for lo in range(0, len(plan.inner_s), chunk):
+        sl = slice(lo, lo + chunk)
+        rows, tok = plan.inner_s[sl], plan.inner_s_tok[sl]
+        z, _ = run.project(rows)
+        lse_t[sl] = _logsumexp(z / t).squeeze(1)
+        cs.index_add_(0, plan.inner_s_span[sl],
+                      z.gather(1, tok[:, None]).squeeze(1) / t - lse_t[sl])
+        if run.want_ce:
+            run.add_ce(_ce(z, tok)[0], rows)
+    return cs, lse_t
+
+
+def _span_pass(run: _Run, teacher: TeacherSide, cs, ct, mode, tables, uld_weight, chunk,
+               need_grad):
+    """Pass 3: the spans' loss; d first-row logits folded; returns d loss / d C (S,)."""
+    plan, spec = run.plan, run.spec
+    dcs = torch.zeros(len(plan.first_s), dtype=torch.float32, device=run.hs.device)
+    for lo in range(0, len(plan.first_s), chunk):
+        sl = slice(lo, lo + chunk)
+        rows, tok = plan.first_s[sl], plan.s_tok[sl]
+        z, us = run.project(rows)
+        logp = teacher.row_logprobs(plan.first_t[sl], spec.temperature)
+        span_loss, dz, dc = span_rows(z, logp, tok, plan.t_tok[sl], cs[sl], ct[sl], spec,
+                                      mode, tables, uld_weight, need_grad)
+        del logp
+        om = plan.omega[sl]
+        run.loss = run.loss + span_loss @ om
+        if run.want_ce:
+            ce, soft = _ce(z, tok)
+            run.add_ce(ce, rows)
+        if not need_grad:
+            continue
+        dcs[sl] = dc * om
+        dz = dz * om[:, None]
+        if spec.ce_weight:
+            dz += run.ce_grad(soft, tok, rows)
+        run.fold_rows(dz, z, rows, us)
+    return dcs
+
+
+def _inner_grad_pass(run: _Run, dcs, lse_t, chunk: int):
+    """Pass 4: each inner row's part of its span's gradient, d C / d z = (onehot - q) / T."""
+    plan, t = run.plan, run.spec.temperature
+    for lo in range(0, len(plan.inner_s), chunk):
+        sl = slice(lo, lo + chunk)
+        rows, tok = plan.inner_s[sl], plan.inner_s_tok[sl]
+        z, us = run.project(rows)
+        g = dcs[plan.inner_s_span[sl]] / t
+        dz = torch.exp(z / t - lse_t[sl][:, None]).mul_(-g[:, None])
+        dz.scatter_add_(1, tok[:, None], g[:, None])
+        if run.spec.ce_weight:
+            dz += run.ce_grad(_ce(z, tok)[1], tok, rows)
+        run.fold_rows(dz, z, rows, us)
+
+
+def _ce_pass(run: _Run, chunk: int, need_grad: bool):
+    """Pass 5: trained rows in no span carry the CE term alone."""
+    plan = run.plan
+    for lo in range(0, len(plan.ce_rows), chunk):
+        rows = plan.ce_rows[lo:lo + chunk]
+        lab = plan.labels[rows]
+        z, us = run.project(rows)
+        ce, soft = _ce(z, lab)
+        run.add_ce(ce, rows)
+        if need_grad and run.spec.ce_weight:
+            run.fold_rows(run.ce_grad(soft, lab, rows), z, rows, us)
+
+
 def xtok_rows(hs, ws, teacher: TeacherSide, plan: Plan, spec: DivergenceSpec, mode: str,
               tables, uld_weight: float, *, need_grad: bool, needs=(True, True, True),
               chunk_size=None, fp32_weight_grad=True, student_head=None, ce_sum=None):
     """Loss sum_i w_i loss_i and (grad_hidden, grad_weight, grad_bias); see the module
     docstring for the passes. `ce_sum` (0-dim fp32) receives sum_i w_i ce_i when given."""
-    dev, t, cw = hs.device, spec.temperature, spec.ce_weight
-    vs = ws.shape[0]
     pairs = len(tables.student_ids) if tables is not None else 0
-    span_chunk, row_chunk = chunk_sizes(vs, teacher.vocab, pairs, dev, chunk_size)
-    fold = _Folder(hs, ws, student_head, needs if need_grad else (False,) * 3,
-                   fp32_weight_grad) if need_grad else None
-    n_span = len(plan.first_s)
-    want_ce = bool(cw) or ce_sum is not None
-    loss = torch.zeros((), dtype=torch.float32, device=dev)
-    w = plan.weights
-
-    def project(rows):
-        z = torch.empty((len(rows), vs), dtype=torch.float32, device=dev)
-        return _project(hs[rows], ws, student_head, z)
-
-    def add_ce(ce, rows):
-        nonlocal loss
-        if cw:
-            loss = loss + cw * (ce @ w[rows])
-        if ce_sum is not None:
-            ce_sum.add_(ce @ w[rows])
-
+    span_chunk, row_chunk = chunk_sizes(ws.shape[0], teacher.vocab, pairs, hs.device,
+                                        chunk_size)
+    fold = _Folder(hs, ws, student_head, needs, fp32_weight_grad) if need_grad else None
+    run = _Run(hs, ws, plan, spec, student_head, fold, ce_sum)
     # 1. teacher inner rows: the rest of each span's log-probability on the teacher side
-    ct = torch.zeros(n_span, dtype=torch.float32, device=dev)
-    ct.index_add_(0, plan.inner_t_span, teacher.own_logprobs(plan.inner_t, t, row_chunk))
-    # 2. student inner rows: the same on the student side, and the logsumexps pass 4 reuses
-    cs = torch.zeros(n_span, dtype=torch.float32, device=dev)
-    n_inner = len(plan.inner_s)
-    lse_t = torch.empty(n_inner, dtype=torch.float32, device=dev)
-    for lo in range(0, n_inner, row_chunk):
-        sl = slice(lo, lo + row_chunk)
-        rows, tok = plan.inner_s[sl], plan.inner_s_tok[sl]
-        z, _ = project(rows)
-        lse_t[sl] = _logsumexp(z / t).squeeze(1)
-        cs.index_add_(0, plan.inner_s_span[sl], z.gather(1, tok[:, None]).squeeze(1) / t
-                      - lse_t[sl])
-        if want_ce:
-            add_ce(_ce(z, tok)[0], rows)
-    # 3. spans: the first rows meet the teacher
-    dcs = torch.zeros(n_span, dtype=torch.float32, device=dev)
-    for lo in range(0, n_span, span_chunk):
-        sl = slice(lo, lo + span_chunk)
-        rows = plan.first_s[sl]
-        z, us = project(rows)
-        logp = teacher.row_logprobs(plan.first_t[sl], t)
-        span_loss, dz, dc = span_rows(z, logp, plan.s_tok[sl], plan.t_tok[sl], cs[sl], ct[sl],
-                                      spec, mode, tables, uld_weight, need_grad)
-        del logp
-        om = plan.omega[sl]
-        loss = loss + span_loss @ om
-        if want_ce:
-            ce, soft = _ce(z, plan.s_tok[sl])
-            add_ce(ce, rows)
-        if not need_grad:
-            continue
-        dcs[sl] = dc * om
-        dz = dz * om[:, None]
-        if cw:
-            wc = w[rows] * cw
-            dz = dz + _minus_onehot(soft.mul_(wc[:, None]), plan.s_tok[sl], wc)
-        fold(_zero_sum_at(dz, z.argmax(-1, keepdim=True)), rows, us)
-    # 4. student inner rows again: their part of each span's gradient (through C)
+    ct = torch.zeros(len(plan.first_s), dtype=torch.float32, device=hs.device)
+    ct.index_add_(0, plan.inner_t_span,
+                  teacher.own_logprobs(plan.inner_t, spec.temperature, row_chunk))
+    cs, lse_t = _inner_pass(run, row_chunk)
+    dcs = _span_pass(run, teacher, cs, ct, mode, tables, uld_weight, span_chunk, need_grad)
     if need_grad:
-        for lo in range(0, n_inner, row_chunk):
-            sl = slice(lo, lo + row_chunk)
-            rows, tok = plan.inner_s[sl], plan.inner_s_tok[sl]
-            z, us = project(rows)
-            g = dcs[plan.inner_s_span[sl]] / t
-            dz = torch.exp(z / t - lse_t[sl][:, None]).mul_(-g[:, None])
-            dz.scatter_add_(1, tok[:, None], g[:, None])
-            if cw:
-                wc = w[rows] * cw
-                dz += _minus_onehot(_ce(z, tok)[1].mul_(wc[:, None]), tok, wc)
-            fold(_zero_sum_at(dz, z.argmax(-1, keepdim=True)), rows, us)
-    # 5. trained rows in no span: the CE term alone
-    if want_ce:
-        for lo in range(0, len(plan.ce_rows), row_chunk):
-            rows = plan.ce_rows[lo:lo + row_chunk]
-            lab = plan.labels[rows]
-            z, us = project(rows)
-            ce, soft = _ce(z, lab)
-            add_ce(ce, rows)
-            if need_grad and cw:
-                wc = w[rows] * cw
-                fold(_zero_sum_at(_minus_onehot(soft.mul_(wc[:, None]), lab, wc),
-                                  z.argmax(-1, keepdim=True)), rows, us)
-    return loss, (fold.grads if fold is not None else (None, None, None))
+        _inner_grad_pass(run, dcs, lse_t, row_chunk)
+    if run.want_ce:
+        _ce_pass(run, row_chunk, need_grad)
+    return run.loss, (fold.grads if fold is not None else (None, None, None))
