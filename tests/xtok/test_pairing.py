@@ -6,7 +6,7 @@ from distill.data.chat import ChatEncoder, MergedBoundary
 from distill.xtok import AlignmentError, PairEncoder, VocabMap, truncate
 from distill.xtok.align import Run, align_runs
 from distill.xtok.pairing import windows
-from tests.data.templates import QWEN3
+from tests.data.templates import MARKED, MISTRAL, QWEN3, make_chat_tokenizer
 from tests.xtok.families import FAMILIES, make_family_tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."},
@@ -161,3 +161,18 @@ def test_long_documents_are_windowed_like_cpt(toks):
         assert w["teacher_labels"][0] == -100 and len(w["teacher_input_ids"]) <= 24
         kept += w["xtok_counts"][1]
     assert kept > 0.8 * whole["xtok_counts"][1]  # only spans split by an edge are lost
+
+
+@pytest.mark.parametrize("template,extra", [(MARKED, 0), (MISTRAL, 2)])
+def test_marked_and_mistral_templates_with_a_character_tokenizer(toks, tmp_path, template,
+                                                                 extra):
+    """{% generation %} marks, and Mistral's answers (" " + text + "</s>": the space the
+    Llama-3 teacher does not render is in no span)."""
+    chars = make_chat_tokenizer(tmp_path / "chars", template)
+    msgs = [m if m["role"] != "assistant" else {**m, "content": m["content"][:22]}
+            for m in MESSAGES[1:]]
+    [ex] = PairEncoder(ChatEncoder(chars), ChatEncoder(toks["llama3"])).examples(msgs)
+    trained, aligned = ex["xtok_counts"]
+    assert trained - aligned == extra
+    eot = chars.convert_ids_to_tokens(ex["input_ids"][ex["xtok_spans"][-1][0]])
+    assert eot == ("<|end|>" if template is MARKED else "</s>")
