@@ -4,7 +4,7 @@ Qwen2.5-0.5B-shaped student (V = 151936), against the same-tokenizer step.
     python bench/bench_cross_tokenizer.py --out bench/cross_tokenizer.json
 
 Random weights, built from transformers' config classes (the shapes of
-scripts/bench_train_steps.py); no tokenizer files and no network: the alignment is
+bench/bench_train_steps.py); no tokenizer files and no network: the alignment is
 *synthesized* at the real sizes. Each row's text is a run of spans, 1:1 with probability
 1 - --multi and otherwise one of 1:2, 2:1, 2:2, 1:3, 3:1 tokens (the teacher has as many
 tokens as the student on average); a 1:1 span starts with a paired token on both
@@ -40,12 +40,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_train_steps import LLAMA, QWEN, TINY  # noqa: E402
 from distill.losses import linear_divergence  # noqa: E402
 from distill.models import final_hidden_states, lm_head  # noqa: E402
 from distill.xtok.loss import cross_tokenizer_divergence  # noqa: E402
 from distill.xtok.op import chunk_sizes  # noqa: E402
 from distill.xtok.vocab import VocabMap  # noqa: E402
-from scripts.bench_train_steps import LLAMA, QWEN, TINY  # noqa: E402
 
 SHAPES = [(1, 2), (2, 1), (2, 2), (1, 3), (3, 1)]
 

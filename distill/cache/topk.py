@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from distill.ops.chunked import _project
+from distill.ops.chunked import project
 from distill.ops.spec import HeadTransform
 
 # fp32 logits per chunk, in bytes
@@ -37,7 +37,7 @@ def topk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperatur
     for start in range(0, m, chunk):  # autocast off: logits stay fp32 out of the GEMM
         stop = min(m, start + chunk)
         with torch.autocast(hidden.device.type, enabled=False):
-            z, _ = _project(hidden[start:stop], weight, head, buf[: stop - start])  # (c, V)
+            z, _ = project(hidden[start:stop], weight, head, buf[: stop - start])  # (c, V)
         if temperature != 1.0:
             z /= temperature
         lse = torch.logsumexp(z, dim=-1, keepdim=True)

@@ -21,7 +21,7 @@ from distill.ops.function import divergence_op, report
 from distill.ops.spec import DivergenceSpec, HeadTransform
 
 
-def _outside_autocast(fn):
+def outside_autocast(fn):
     """Under autocast (Lightning's bf16-mixed with fp32 master weights) autocast would run
     the loss's GEMMs and reductions in bf16, rounding the logits and the loss itself. The
     GEMM operands take autocast's dtype, as autocast would give them, and the loss runs
@@ -51,7 +51,7 @@ def _outside_autocast(fn):
     return wrapper
 
 
-@_outside_autocast
+@outside_autocast
 def linear_divergence(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,
@@ -127,7 +127,7 @@ def linear_divergence(
     return loss, {"divergence": loss.detach() - weighted, "ce": ce}
 
 
-@_outside_autocast
+@outside_autocast
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

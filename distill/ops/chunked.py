@@ -112,7 +112,7 @@ def _gemm_fp32(a, b, out):
     return torch.mm(a.float(), b.float(), out=out)
 
 
-def _project(hidden, weight, head: HeadTransform | None, out):
+def project(hidden, weight, head: HeadTransform | None, out):
     """fp32 logits (C, V) of one chunk, and the tanh of the soft-cap (for the chain rule)."""
     z = _gemm_fp32(hidden, weight.T, out)
     if head is None:
@@ -127,7 +127,7 @@ def _project(hidden, weight, head: HeadTransform | None, out):
     return u * head.softcap, u
 
 
-def _chain_head(dz, u, head: HeadTransform | None):
+def chain_head(dz, u, head: HeadTransform | None):
     """d loss / d (hidden @ weight.T) from d loss / d logits."""
     if head is None:
         return dz
@@ -136,7 +136,7 @@ def _chain_head(dz, u, head: HeadTransform | None):
     return dz * head.scale if head.scale != 1.0 else dz
 
 
-def _fold(dz, h, ws, grad_h, grad_w, first):
+def fold(dz, h, ws, grad_h, grad_w, first):
     """grad_h = dz @ ws (this chunk's rows), grad_w (+)= dz.T @ h, without (C, V) copies.
 
     The first chunk writes grad_w instead of adding to it: no memset of a weight-sized
@@ -210,10 +210,10 @@ def _chunk_logits(h, ws, targets: Targets, sl, zs_buf, zt_buf, student_head, sta
         st_s = logits_and_stats(h, ws, zs, inv_t=inv_t, untempered=untempered, config=tile,
                                 tma_store=store)
         return zs, zt, None, (st_s, st_t)
-    zs, us = _project(h, ws, student_head, zs_buf[:c])
+    zs, us = project(h, ws, student_head, zs_buf[:c])
     zt = None
     if targets.teacher_hidden is not None:
-        zt, _ = _project(targets.teacher_hidden[sl], targets.teacher_weight,
+        zt, _ = project(targets.teacher_hidden[sl], targets.teacher_weight,
                          targets.teacher_head, zt_buf[:c])
     return zs, zt, us, None
 
@@ -261,11 +261,11 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
     # one buffer per model, reused by every chunk: memory stays flat in N
     zs_buf = torch.empty((chunk, vocab), dtype=torch.float32, device=hs.device)
     zt_buf = torch.empty_like(zs_buf) if live else None
-    fold = min(n, chunk * group)
-    dz_buf = torch.empty((fold, vocab), dtype=gdtype, device=hs.device) if group > 1 else None
+    span = min(n, chunk * group)  # rows whose gradients meet the weight in one GEMM
+    dz_buf = torch.empty((span, vocab), dtype=gdtype, device=hs.device) if group > 1 else None
     ce_rows = torch.empty(chunk, dtype=torch.float32, device=hs.device)
-    for f0 in range(0, n, fold):
-        fsl = slice(f0, min(n, f0 + fold))
+    for f0 in range(0, n, span):
+        fsl = slice(f0, min(n, f0 + span))
         for start in range(f0, fsl.stop, chunk):
             sl = slice(start, min(fsl.stop, start + chunk))
             c, h = sl.stop - start, hs[sl]
@@ -289,12 +289,12 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
             if not need_grad or dz_buf is not None:
                 continue
             if not in_kernel:
-                dz = _chain_head(dz * w[:, None], us, student_head)  # (C, V) fp32
+                dz = chain_head(dz * w[:, None], us, student_head)  # (C, V) fp32
                 if grad_b is not None:
                     grad_b += dz.sum(0)
                 dz = dz.to(ws.dtype) if hs.is_cuda else dz
-            _fold(dz, h, ws, _take_rows(grad_h, sl), grad_w, first=start == 0)
+            fold(dz, h, ws, _take_rows(grad_h, sl), grad_w, first=start == 0)
         if need_grad and dz_buf is not None:
-            _fold(dz_buf[:fsl.stop - f0], hs[fsl], ws, _take_rows(grad_h, fsl), grad_w,
+            fold(dz_buf[:fsl.stop - f0], hs[fsl], ws, _take_rows(grad_h, fsl), grad_w,
                   first=f0 == 0)
     return loss, (grad_h, grad_w, grad_b)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from distill.ops.chunked import _chain_head, _fold, _project, choose_chunk_size
+from distill.ops.chunked import chain_head, choose_chunk_size, fold, project
 from distill.ops.function import trained_rows
 from distill.ops.spec import HeadTransform
 
@@ -46,17 +46,17 @@ def ce_rows(hs, ws, labels, weights, *, head: HeadTransform | None, chunk_size, 
     for start in range(0, n, chunk):
         sl = slice(start, min(n, start + chunk))
         h = hs[sl]
-        z, u = _project(h, ws, head, buf[: h.shape[0]])
+        z, u = project(h, ws, head, buf[: h.shape[0]])
         ce, dz = _chunk_ce(z, labels[sl], need_h or need_w or need_b)
         loss += ce @ weights[sl]
         if dz is None:
             continue
-        dz = _chain_head(dz * weights[sl][:, None], u, head)
+        dz = chain_head(dz * weights[sl][:, None], u, head)
         if grad_b is not None:
             grad_b += dz.sum(0)
         if hs.is_cuda:
             dz = dz.to(ws.dtype)
-        _fold(dz, h, ws, grad_h[sl] if grad_h is not None else None, grad_w, first=start == 0)
+        fold(dz, h, ws, grad_h[sl] if grad_h is not None else None, grad_w, first=start == 0)
     return loss, (grad_h, grad_w, grad_b)
 
 

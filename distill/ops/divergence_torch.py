@@ -32,19 +32,19 @@ def _argmax_and_rest(x):
     return m, i, e.sum(-1, keepdim=True)
 
 
-def _log_softmax(x):
+def log_softmax(x):
     """log softmax(x) in which the largest entry's log-prob is -log1p(rest), exactly."""
     m, i, rest = _argmax_and_rest(x)
     lr = torch.log1p(rest)
     return (x - m - lr).scatter_(-1, i, -lr)
 
 
-def _logsumexp(x):
+def logsumexp(x):
     m, _, rest = _argmax_and_rest(x)
     return m + torch.log1p(rest)
 
 
-def _zero_sum_at(d, ref):
+def zero_sum_at(d, ref):
     """d with its entry `ref` (C, 1) replaced by minus the sum of the others."""
     d = d.scatter_(-1, ref, 0.0)
     return d.scatter_(-1, ref, -d.sum(-1, keepdim=True))
@@ -55,7 +55,7 @@ def _plogratio(p, logp, logr):
     return torch.where(p > 0, p * (logp - logr), torch.zeros_like(p))
 
 
-def _divergence_and_g(logp, logq, spec: DivergenceSpec):
+def divergence_and_g(logp, logq, spec: DivergenceSpec):
     """Per-row divergence over categories, and G = dD/dq_c (None for forward KL)."""
     p, q = logp.exp(), logq.exp()
     if spec.kind == "forward_kl":
@@ -68,11 +68,11 @@ def _divergence_and_g(logp, logq, spec: DivergenceSpec):
     return loss, (1 - b) * torch.where(q > 0, logq - logm, 0.0)
 
 
-def _category_grad(logp, logq, g):
+def category_grad(logp, logq, g):
     """d loss / d a over the categories; the largest category's entry from the others."""
     q = logq.exp()
     da = q - logp.exp() if g is None else q * (g - (q * g).sum(-1, keepdim=True))
-    return _zero_sum_at(da, logq.argmax(-1, keepdim=True))
+    return zero_sum_at(da, logq.argmax(-1, keepdim=True))
 
 
 def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec, need_grad, *,
@@ -85,18 +85,18 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec, need_g
     row's cross-entropy (the Triton kernel takes the same options).
     """
     t = spec.temperature
-    logq = _log_softmax(zs / t)  # (C, V)
+    logq = log_softmax(zs / t)  # (C, V)
     if zt is not None:
-        logp = _log_softmax(zt / t)
-        loss, g = _divergence_and_g(logp, logq, spec)
-        da = _category_grad(logp, logq, g) if need_grad else None
+        logp = log_softmax(zt / t)
+        loss, g = divergence_and_g(logp, logq, spec)
+        da = category_grad(logp, logq, g) if need_grad else None
     else:
         loss, da = _sparse(logq, target_ids, target_logprobs, spec, need_grad)
     factor = spec.divergence_factor
     loss = loss * factor
     dz = da * (factor / t) if need_grad else None
     if labels is not None and (spec.ce_weight or ce_out is not None):
-        logp_hard = logq if t == 1.0 else _log_softmax(zs)
+        logp_hard = logq if t == 1.0 else log_softmax(zs)
         ce = -logp_hard.gather(-1, labels[:, None]).squeeze(-1)
         loss = loss + spec.ce_weight * ce
         if ce_out is not None:
@@ -105,13 +105,13 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec, need_g
             dz = dz + spec.ce_weight * logp_hard.exp()
             dz.scatter_add_(-1, labels[:, None], dz.new_full((len(labels), 1), -spec.ce_weight))
     # renormalized top-k alone: entries off the K ids get exactly 0, and the K ids' own
-    # gradient was finished from the others already (_category_grad)
+    # gradient was finished from the others already (category_grad)
     renorm_only = (zt is None and spec.sparse_mode == "renormalize"
                    and not (labels is not None and spec.ce_weight))
     if need_grad:
         if not renorm_only:
             # the largest logit's entry last, from all the others (the CE's included)
-            dz = _zero_sum_at(dz, zs.argmax(-1, keepdim=True))
+            dz = zero_sum_at(dz, zs.argmax(-1, keepdim=True))
         if row_scale is not None:
             dz = dz * row_scale[:, None].to(dz.dtype)
     return loss, dz.to(grad_dtype) if need_grad else None
@@ -122,27 +122,27 @@ def _sparse(logq, ids, logp_k, spec, need_grad):
     logq_k = logq.gather(-1, ids)  # (C, K)
     logp_k = logp_k.float()
     if spec.sparse_mode == "renormalize":
-        logp_c, logq_c = _log_softmax(logp_k), _log_softmax(logq_k)
-        loss, g = _divergence_and_g(logp_c, logq_c, spec)
+        logp_c, logq_c = log_softmax(logp_k), log_softmax(logq_k)
+        loss, g = divergence_and_g(logp_c, logq_c, spec)
         if not need_grad:
             return loss, None
-        da_k = _category_grad(logp_c, logq_c, g)
+        da_k = category_grad(logp_c, logq_c, g)
         return loss, torch.zeros_like(logq).scatter_(-1, ids, da_k)
     in_topk = torch.zeros_like(logq, dtype=torch.bool).scatter_(-1, ids, True)
     off_topk = logq.masked_fill(in_topk, -math.inf)  # (C, V)
-    logq_tail = _logsumexp(off_topk)  # (C, 1): no 1 - sum(q_k)
+    logq_tail = logsumexp(off_topk)  # (C, 1): no 1 - sum(q_k)
     # 1 - sum(p_k) as -expm1(log sum p_k): exact when the teacher's tail is tiny
-    p_tail = (-torch.expm1(_logsumexp(logp_k))).clamp_min(0)
+    p_tail = (-torch.expm1(logsumexp(logp_k))).clamp_min(0)
     if ids.shape[-1] == logq.shape[-1]:
         p_tail = torch.zeros_like(p_tail)  # K = V: no tail, only rounding noise
     if spec.kind == "reverse_kl":
         p_tail = p_tail.clamp_min(TAIL_FLOOR)  # else an empty teacher tail makes RKL infinite
     logp_c = torch.cat([logp_k, p_tail.log()], -1)  # (C, K + 1)
     logq_c = torch.cat([logq_k, logq_tail], -1)
-    loss, g = _divergence_and_g(logp_c, logq_c, spec)
+    loss, g = divergence_and_g(logp_c, logq_c, spec)
     if not need_grad:
         return loss, None
-    da_c = _category_grad(logp_c, logq_c, g)
+    da_c = category_grad(logp_c, logq_c, g)
     # the tail bucket's gradient shared in proportion to each entry's part of the tail
     share = torch.where(logq_tail > -math.inf, torch.exp(off_topk - logq_tail), 0.0)
     return loss, (share * da_c[:, -1:]).scatter_(-1, ids, da_c[:, :-1])

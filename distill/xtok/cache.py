@@ -27,10 +27,10 @@ import pyarrow as pa
 import torch
 
 from distill.cache.format import CacheMismatch, tokenizer_hash, write_json_atomic
-from distill.losses.spec import HeadTransform
 from distill.models import final_hidden_states, lm_head
-from distill.ops.divergence_torch import _log_softmax
-from distill.ops.linear_divergence import _project
+from distill.ops.chunked import project
+from distill.ops.divergence_torch import log_softmax
+from distill.ops.spec import HeadTransform
 
 FORMAT = "distill-xtok-teacher-cache"
 VERSION = 1
@@ -59,8 +59,8 @@ def _example_rows(model, ex: dict, top_k: int, temperature: float, vocab: int):
         head = HeadTransform(head.bias[:vocab], head.scale, head.softcap)
     pos = torch.tensor(_positions(ex["teacher_labels"]), dtype=torch.long)
     z = torch.empty((len(pos), vocab), dtype=torch.float32)
-    z, _ = _project(hidden[pos - 1], weight[:vocab], head, z)
-    logp = _log_softmax(z / temperature)
+    z, _ = project(hidden[pos - 1], weight[:vocab], head, z)
+    logp = log_softmax(z / temperature)
     top = logp.topk(top_k, -1)
     own = logp.gather(1, ids[0, pos][:, None]).squeeze(1)
     return pos, top.indices, top.values, own

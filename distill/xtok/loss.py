@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from distill.losses.fused import _outside_autocast
-from distill.losses.spec import DivergenceSpec, HeadTransform
+from distill.constants import IGNORE_INDEX
+from distill.losses.fused import outside_autocast
+from distill.ops.spec import DivergenceSpec, HeadTransform
 from distill.xtok.op import Plan, TeacherSide, xtok_rows
 from distill.xtok.vocab import VocabMap
 
@@ -79,14 +80,15 @@ def _check_spans(spans, ns: int, nt: int):
     return s_lo, s_hi, t_lo, t_hi
 
 
-def build_plan(spans, labels, weights, teacher_targets, ns: int, nt: int, spec, want_ce):
+def build_plan(spans, labels, weights, teacher_targets, ns: int, nt: int, spec, want_ce,
+               ignore_index: int = IGNORE_INDEX):
     """Which rows are span firsts, span inners and CE-only rows; see `op.Plan`."""
     dev = labels.device if labels is not None else spans.device
     if labels is None:
         raise ValueError("cross_tokenizer_divergence needs the student's labels: the tokens "
                          "its span rows predict")
     s_lo, s_hi, t_lo, t_hi = _check_spans(spans.to(dev), ns, nt)
-    trained = labels != spec.ignore_index
+    trained = labels != ignore_index
     if weights is None:
         w = trained.float() / trained.sum().clamp_min(1)
     else:
@@ -116,7 +118,7 @@ def _cut(x, vocab):
     return x if x is None or x.shape[0] == vocab else x[:vocab]
 
 
-@_outside_autocast
+@outside_autocast
 def cross_tokenizer_divergence(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,
@@ -136,7 +138,7 @@ def cross_tokenizer_divergence(
     beta: float = 0.5,
     temperature: float = 1.0,
     ce_weight: float = 0.0,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     temperature_squared: bool = False,
     divergence_weight: float = 1.0,
     uld_weight: float = 1.0,
@@ -171,8 +173,9 @@ def cross_tokenizer_divergence(
         raise ValueError("give the teacher either live (teacher_hidden, teacher_weight) or "
                          "cached (teacher_topk_ids, teacher_topk_logprobs, "
                          "teacher_target_logprobs)")
-    spec = DivergenceSpec(kind, beta, temperature, ce_weight, ignore_index, temperature_squared,
-                          "tail", divergence_weight)
+    spec = DivergenceSpec(kind=kind, beta=beta, temperature=temperature, ce_weight=ce_weight,
+                          temperature_squared=temperature_squared,
+                          divergence_weight=divergence_weight)
     vs = student_vocab_size or (vocab_map.student_size if vocab_map else student_weight.shape[0])
     vt = teacher_vocab_size or (vocab_map.teacher_size if vocab_map else
                                 (teacher_weight.shape[0] if live else None))
@@ -188,7 +191,7 @@ def cross_tokenizer_divergence(
     nt = len(teacher_targets)
     ce_sum = torch.zeros((), dtype=torch.float32, device=dev) if return_components else None
     plan = build_plan(spans, labels, weights, teacher_targets.to(dev), ns, nt, spec,
-                      want_ce=bool(ce_weight) or return_components)
+                      want_ce=bool(ce_weight) or return_components, ignore_index=ignore_index)
     head = student_head
     if head is not None and head.bias is not None:
         head = HeadTransform(_cut(head.bias, vs), head.scale, head.softcap)

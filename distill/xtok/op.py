@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from distill.losses.spec import DivergenceSpec, HeadTransform
-from distill.ops.divergence_torch import _log_softmax, _logsumexp, _zero_sum_at
-from distill.ops.linear_divergence import _chain_head, _fold, _project
+from distill.ops.chunked import chain_head, fold, project
+from distill.ops.divergence_torch import log_softmax, logsumexp, zero_sum_at
+from distill.ops.spec import DivergenceSpec, HeadTransform
 from distill.xtok.span_math import span_rows
 
 BUDGET_BYTES = {"cuda": 2 << 30, "cpu": 64 << 20}
@@ -70,7 +70,7 @@ class TeacherSide:
         return self.hidden is not None
 
     def logits(self, rows):
-        z, _ = _project(self.hidden[rows], self.weight, self.head,
+        z, _ = project(self.hidden[rows], self.weight, self.head,
                         torch.empty((len(rows), self.vocab), dtype=torch.float32,
                                     device=self.hidden.device))
         return z
@@ -79,14 +79,14 @@ class TeacherSide:
         """(c, Vt) log-probs at the training temperature. Cached: the top-k and the row's
         own token as stored, the remaining mass spread evenly over the other ids."""
         if self.live:
-            return _log_softmax(self.logits(rows) / t)
+            return log_softmax(self.logits(rows) / t)
         ids, lp = self.topk_ids[rows].long(), self.topk_logprobs[rows].float()
         tok, tok_lp = self.targets[rows], self.target_logprobs[rows].float()
         c, r = len(rows), torch.arange(len(rows), device=ids.device)
         known = torch.zeros((c, self.vocab), dtype=torch.bool, device=ids.device)
         known.scatter_(1, ids, True)
         extra = ~known[r, tok]
-        mass = _logsumexp(torch.cat([lp, torch.where(extra, tok_lp, -torch.inf)[:, None]], -1))
+        mass = logsumexp(torch.cat([lp, torch.where(extra, tok_lp, -torch.inf)[:, None]], -1))
         left = (-torch.expm1(mass.squeeze(-1))).clamp_min(0)
         count = (self.vocab - ids.shape[1] - extra.long()).clamp_min(1)
         fill = torch.log(left) - torch.log(count.float())
@@ -102,7 +102,7 @@ class TeacherSide:
         for lo in range(0, len(rows), chunk):
             r = rows[lo:lo + chunk]
             a = self.logits(r).div_(t)
-            out[lo:lo + chunk] = a.gather(1, self.targets[r][:, None]).squeeze(1) - _logsumexp(
+            out[lo:lo + chunk] = a.gather(1, self.targets[r][:, None]).squeeze(1) - logsumexp(
                 a).squeeze(1)
         return out
 
@@ -133,7 +133,7 @@ class _Folder:
         self.cast = hs.is_cuda and ws.dtype in _HALF
 
     def __call__(self, dz, rows, us):
-        dz = _chain_head(dz, us, self.head)
+        dz = chain_head(dz, us, self.head)
         if self.grad_b is not None:
             self.grad_b += dz.sum(0)
         if self.cast:
@@ -142,7 +142,7 @@ class _Folder:
         if self.grad_h is not None:
             gh = torch.empty((len(rows), self.hs.shape[1]), dtype=self.hs.dtype,
                              device=self.hs.device)
-        _fold(dz.contiguous(), self.hs[rows], self.ws, gh, self.grad_w, first=False)
+        fold(dz.contiguous(), self.hs[rows], self.ws, gh, self.grad_w, first=False)
         if gh is not None:
             self.grad_h.index_copy_(0, rows, gh)
 
@@ -153,7 +153,7 @@ class _Folder:
 
 def _ce(z, labels):
     """Cross-entropy of untempered logits (c,) and softmax(z) (for its gradient)."""
-    lse = _logsumexp(z)
+    lse = logsumexp(z)
     return (lse - z.gather(1, labels[:, None])).squeeze(1), torch.exp(z - lse)
 
 
@@ -175,7 +175,7 @@ class _Run:
         """fp32 student logits (c, Vs) of some rows, and the soft-cap's tanh or None."""
         z = torch.empty((len(rows), self.ws.shape[0]), dtype=torch.float32,
                         device=self.hs.device)
-        return _project(self.hs[rows], self.ws, self.head, z)
+        return project(self.hs[rows], self.ws, self.head, z)
 
     def add_ce(self, ce, rows):
         w = self.plan.weights[rows]
@@ -191,7 +191,7 @@ class _Run:
 
     def fold_rows(self, dz, z, rows, us):
         # the largest logit's entry last, from all the others (every row sums to zero)
-        self.fold(_zero_sum_at(dz, z.argmax(-1, keepdim=True)), rows, us)
+        self.fold(zero_sum_at(dz, z.argmax(-1, keepdim=True)), rows, us)
 
 
 def _inner_pass(run: _Run, chunk: int):
@@ -203,7 +203,7 @@ def _inner_pass(run: _Run, chunk: int):
         sl = slice(lo, lo + chunk)
         rows, tok = plan.inner_s[sl], plan.inner_s_tok[sl]
         z, _ = run.project(rows)
-        lse_t[sl] = _logsumexp(z / t).squeeze(1)
+        lse_t[sl] = logsumexp(z / t).squeeze(1)
         cs.index_add_(0, plan.inner_s_span[sl],
                       z.gather(1, tok[:, None]).squeeze(1) / t - lse_t[sl])
         if run.want_ce:

@@ -52,8 +52,8 @@ import math
 
 import torch
 
-from distill.losses.spec import TAIL_FLOOR, DivergenceSpec
-from distill.ops.divergence_torch import _category_grad, _divergence_and_g, _log_softmax
+from distill.ops.divergence_torch import category_grad, divergence_and_g, log_softmax
+from distill.ops.spec import TAIL_FLOOR, DivergenceSpec
 
 NEG_INF = -math.inf
 
@@ -170,13 +170,13 @@ def hybrid_span(logq, logp, s_first, t_first, cs, ct, tables, spec: DivergenceSp
                        tail_s[:, None]], -1)  # (c, M + 2)
     cat_t = torch.cat([logp[:, mt].masked_fill_(drop, NEG_INF), a_t[rows, t_first, None],
                        tail_t[:, None]], -1)
-    div, g_div = _divergence_and_g(cat_t, cat_s, spec)
+    div, g_div = divergence_and_g(cat_t, cat_s, spec)
     uld, g_uld = sorted_l1(lr_s.exp(), lr_t.exp(), need_grad)
     loss = div + uld_weight * uld
     if not need_grad:
         return loss, None, None
     m = len(ms)
-    da_cat = _category_grad(cat_t, cat_s, g_div)  # (c, M + 2)
+    da_cat = category_grad(cat_t, cat_s, g_div)  # (c, M + 2)
     has_rest = tail_s[:, None] > NEG_INF
     share = torch.where(has_rest, torch.exp(lr_s - tail_s[:, None]), 0.0)
     da = _rest_to_atoms(share * da_cat[:, m + 1:], tables.unpaired_student, moved_s, vs)
@@ -196,7 +196,7 @@ def span_rows(zs, logp, s_first, t_first, cs, ct, spec: DivergenceSpec, mode: st
     """Loss (c,) of a chunk of spans (divergence factor included), d loss / d zs (c, Vs)
     and d loss / d C (c,). zs: the student's logits at the spans' first positions, logp
     (c, Vt) the teacher's log-probs there (at the training temperature)."""
-    logq = _log_softmax(zs / spec.temperature)
+    logq = log_softmax(zs / spec.temperature)
     if mode == "uld":
         loss, dz, dcont = uld_span(logq, logp, s_first, t_first, cs, ct, spec.temperature,
                                    need_grad)

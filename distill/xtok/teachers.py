@@ -48,9 +48,8 @@ class LiveCrossTeacher(torch.nn.Module):
                         dtype: str = "float32", attn_implementation: str | None = None):
         from distill.models import load_tokenizer
 
-        teacher = LiveTeacher(name_or_path, dtype=dtype, attn_implementation=attn_implementation,
-                              tokenizer=tokenizer)
-        return cls(teacher, load_tokenizer(teacher.tokenizer_path))
+        teacher = LiveTeacher(name_or_path, dtype=dtype, attn_implementation=attn_implementation)
+        return cls(teacher, load_tokenizer(tokenizer or name_or_path))
 
     @classmethod
     def from_model(cls, model, tokenizer) -> LiveCrossTeacher:

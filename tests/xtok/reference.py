@@ -1,18 +1,18 @@
 """The cross-tokenizer losses written plainly, as the test oracle (float64, autograd).
 
 Full logits, a Python loop over spans, every span distribution built as an explicit list
-of atoms, empty atoms left out. It shares nothing with distill.xtok's fast path except the
-package's own divergence oracle (distill.losses.reference) for the categories.
+of atoms, empty atoms left out. It shares nothing with distill: the divergences over the
+categories are the test oracle's (tests/oracle.py), which imports nothing of the package.
 """
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 
-from distill.losses.reference import divergence_from_logprobs
-from distill.losses.spec import TAIL_FLOOR, DivergenceSpec
+from tests.oracle import TAIL_FLOOR, divergence
 
 
 def span_atoms(logprobs, rows, tokens):
@@ -57,7 +57,7 @@ def hybrid(s_atoms: dict, t_atoms: dict, pairs, s_first, t_first, spec, uld_weig
         if spec.kind == "reverse_kl":
             tail = tail.clamp_min(math.log(TAIL_FLOOR))
         lp.append(tail)
-    div = divergence_from_logprobs(torch.stack(lp), torch.stack(lq), spec)
+    div = divergence(torch.stack(lp), torch.stack(lq), spec.kind, spec.beta)
     return div + uld_weight * _sorted_l1(s_rest, t_rest)
 
 
@@ -68,8 +68,8 @@ def reference_loss(student_hidden, student_weight, teacher_logprobs, *, spans, l
                    vocab=None):
     """sum over spans of omega_j L_j + ce_weight sum_i w_i CE_i; teacher_logprobs (Nt, Vt)
     at the temperature already."""
-    spec = DivergenceSpec(kind, beta, temperature, ce_weight, ignore_index,
-                          temperature_squared, "tail", divergence_weight)
+    t2 = temperature**2 if temperature_squared else 1.0
+    spec = SimpleNamespace(kind=kind, beta=beta, divergence_factor=t2 * divergence_weight)
     v = vocab or student_weight.shape[0]
     z = student_hidden @ student_weight[:v].T
     logq = torch.log_softmax(z / temperature, -1)
