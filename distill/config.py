@@ -162,6 +162,10 @@ def cross_checks(run: RunConfig) -> list[str]:
             out.append(f"cache.temperature={run.cache.temperature} and loss.temperature="
                        f"{run.loss.temperature}: the cache stores log-probs at the training "
                        "temperature; write the cache at loss.temperature")
+    if run.loss.cross_tokenizer and run.data.packing:
+        out.append(f"loss.cross_tokenizer={run.loss.cross_tokenizer} with data.packing=true: "
+                   "packed rows would need the teacher's rows packed alike; set "
+                   "data.packing=false")
     if op.samples and run.data.packing:
         out.append("loss.on_policy.fraction > 0 with data.packing=true: on-policy samples one "
                    "completion per row and packed rows hold several examples; set "

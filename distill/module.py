@@ -29,16 +29,19 @@ from distill.rules import parse
 class DistillModule(L.LightningModule):
     def __init__(self, student, teacher, loss: LossConfig | dict, optimizer, scheduler=None,
                  vocab_size: int | None = None, eos_token_id: int | None = None,
-                 onpolicy: OnPolicyStep | None = None):
+                 onpolicy: OnPolicyStep | None = None, cross=None):
         super().__init__()
         self.cfg = loss if isinstance(loss, LossConfig) else parse(LossConfig, loss, "loss.")
         self.save_hyperparameters({"loss": dataclasses.asdict(self.cfg), "vocab_size": vocab_size})
         self.student, self.teacher, self.vocab_size = student, teacher, vocab_size
-        self.objective = Objective(self.cfg, teacher, vocab_size)
+        # cross: a teacher with its own tokenizer (a distill.xtok CrossSetup)
+        self.objective = Objective(self.cfg, teacher, vocab_size,
+                                   cross.vocab_map if cross is not None else None)
         op = self.cfg.on_policy
         if onpolicy is None and op.samples:
             onpolicy = OnPolicyStep(op, student, getattr(teacher, "model", None),
-                                    vocab_size=vocab_size, eos_token_id=eos_token_id)
+                                    vocab_size=vocab_size, eos_token_id=eos_token_id,
+                                    cross=cross)
         self.onpolicy = onpolicy
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.sums = StepSums()

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
+from distill.constants import IGNORE_INDEX
 from distill.data.shift import shift_flat, shift_labels
 from distill.losses import linear_cross_entropy, linear_divergence
 from distill.models import final_hidden_states, lm_head
 from distill.normalization import POLICIES
 from distill.onpolicy.config import OnPolicyConfig
 from distill.ops.spec import DivergenceSpec
-from distill.rules import boolean, choice, integer, setting
+from distill.rules import boolean, choice, integer, number, setting
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class LossConfig(DivergenceSpec):
                                                    what=" (null picks it from the shapes)"))
     fp32_weight_grad: bool = setting(False, boolean())
     backend: str = setting("auto", choice(("auto", "torch", "triton")))
+    # another tokenizer for the teacher: the divergence on aligned spans (distill/xtok)
+    cross_tokenizer: str | None = setting(None, choice(("uld", "hybrid"), null=True))
+    uld_weight: float = setting(1.0, number(0, strict=False, what=" (hybrid: its ULD part)"))
     on_policy: OnPolicyConfig = setting(factory=OnPolicyConfig)
 
     def problems(self, prefix: str = "") -> list[str]:
@@ -56,11 +60,41 @@ class LossConfig(DivergenceSpec):
 
 
 class Objective:
-    """The loss of a micro-batch (see the module docstring) and the validation sums."""
+    """The loss of a micro-batch (see the module docstring) and the validation sums.
+    `vocab_map` (a cross-tokenizer run): the divergence is taken on the aligned spans."""
 
-    def __init__(self, cfg: LossConfig, teacher, vocab_size: int | None):
+    def __init__(self, cfg: LossConfig, teacher, vocab_size: int | None, vocab_map=None):
         self.cfg, self.spec, self.teacher, self.vocab = cfg, cfg.spec(), teacher, vocab_size
         self.options = dict(chunk_size=cfg.chunk_size, fp32_weight_grad=cfg.fp32_weight_grad)
+        self.vocab_map = vocab_map
+        if cfg.cross_tokenizer and vocab_map is None and cfg.cross_tokenizer == "hybrid":
+            raise ValueError("loss.cross_tokenizer=hybrid needs the vocabulary map of the two "
+                             "tokenizers (distill.xtok.VocabMap.build)")
+
+    def _divergence(self, hs, weight, head, labels, weights, targets, ce_rows):
+        """linear_divergence, or its cross-tokenizer counterpart on the aligned spans."""
+        if not self.cfg.cross_tokenizer:
+            return linear_divergence(
+                hs, weight, labels=labels, weights=weights, spec=self.spec, student_head=head,
+                vocab_size=self.vocab, ce_weight=ce_rows if ce_rows is not None else 0.0,
+                backend=self.cfg.backend, return_components=True, **targets, **self.options)
+        from distill.xtok.loss import cross_tokenizer_divergence
+
+        s, cfg = self.spec, self.cfg
+        # per-row CE weights (the student's own samples get none): the CE apart, on its rows
+        loss, parts = cross_tokenizer_divergence(
+            hs, weight, labels=labels, weights=weights, mode=cfg.cross_tokenizer,
+            vocab_map=self.vocab_map, kind=s.kind, beta=s.beta, temperature=s.temperature,
+            ce_weight=s.ce_weight if ce_rows is None else 0.0,
+            temperature_squared=s.temperature_squared, divergence_weight=s.divergence_weight,
+            uld_weight=cfg.uld_weight, student_vocab_size=self.vocab, student_head=head,
+            chunk_size=cfg.chunk_size, return_components=True, **targets)
+        if ce_rows is not None:
+            ce = linear_cross_entropy(hs, weight, labels, weights=weights * ce_rows, head=head,
+                                      vocab_size=self.vocab, chunk_size=cfg.chunk_size)
+            loss = loss + ce
+            parts = {**parts, "ce": ce.detach() / s.ce_weight}
+        return loss, {"divergence": parts["divergence"], "ce": parts["ce"]}
 
     def _student(self, student, batch):
         hidden = final_hidden_states(student, batch["input_ids"], batch.get("attention_mask"),
@@ -90,22 +124,19 @@ class Objective:
             zero = torch.zeros((), device=hs.device)
             return loss, {"divergence": zero, "ce": loss.detach() / self.cfg.ce_weight}, None
         targets = self.teacher.targets(batch)
-        loss, parts = linear_divergence(
-            hs, weight, labels=labels, weights=weights, spec=self.spec, student_head=head,
-            vocab_size=self.vocab, ce_weight=ce_rows if ce_rows is not None else 0.0,
-            backend=self.cfg.backend, return_components=True, **targets, **self.options)
+        loss, parts = self._divergence(hs, weight, head, labels, weights, targets, ce_rows)
         return loss, parts, self._score(batch, targets, labels)
 
     @torch.no_grad()
     def _score(self, batch, targets: dict, labels):
         """(sum of the teacher's log-probs of the student's sampled tokens, their count)."""
         own = _per_position(batch, "sampled", len(labels), labels.device)
-        if own is None or "teacher_hidden" not in targets:
-            return None
+        if own is None or "teacher_hidden" not in targets or self.cfg.cross_tokenizer:
+            return None  # (another tokenizer: the teacher scores its own tokens, not these)
         by_teacher = _per_position(batch, "by_teacher", len(labels), labels.device)
         if by_teacher is not None:
             own = own & ~by_teacher
-        mask = (own & (labels != -100)).float()
+        mask = (own & (labels != IGNORE_INDEX)).float()
         ce = linear_cross_entropy(targets["teacher_hidden"], targets["teacher_weight"], labels,
                                   weights=mask, head=targets["teacher_head"],
                                   vocab_size=self.vocab)
@@ -116,12 +147,10 @@ class Objective:
         """(4,) sums over the batch's valid positions: divergence, CE, the teacher's CE, n."""
         hs, weight, head, labels = self._student(student, batch)
         targets = self.teacher.targets(batch)
-        _, parts = linear_divergence(hs, weight, labels=labels, weights=valid, spec=self.spec,
-                                     student_head=head, vocab_size=self.vocab,
-                                     backend=self.cfg.backend, return_components=True,
-                                     **targets, **self.options)
+        _, parts = self._divergence(hs, weight, head, labels, valid, targets, None)
         teacher_ce = torch.zeros((), device=hs.device)
-        if with_teacher_ce and "teacher_hidden" in targets:
+        # the teacher's perplexity on the student's labels: one vocabulary only
+        if with_teacher_ce and "teacher_hidden" in targets and not self.cfg.cross_tokenizer:
             teacher_ce = linear_cross_entropy(targets["teacher_hidden"],
                                               targets["teacher_weight"], labels, weights=valid,
                                               head=targets["teacher_head"],

@@ -76,3 +76,15 @@ def run_tokenizer(student_cfg, teacher_cfg):
     for path, where in named:
         check_same_tokenizer(load_tokenizer(path), teacher, where)
     return teacher
+
+
+def cross_tokenizers(student_cfg, teacher_cfg):
+    """A cross-tokenizer run's two tokenizers: the student's own (student.tokenizer, or its
+    folder's) and the teacher's (teacher.tokenizer, or its folder's)."""
+    path = student_cfg.tokenizer or student_cfg.name_or_path
+    if not student_cfg.tokenizer and not has_tokenizer(student_cfg.name_or_path):
+        raise FileNotFoundError(
+            f"loss.cross_tokenizer trains the student on its own tokens, and the student "
+            f"folder {student_cfg.name_or_path} has no tokenizer: set student.tokenizer=<the "
+            "student's tokenizer folder or hub name>")
+    return load_tokenizer(path), load_tokenizer(teacher_cfg.tokenizer_path)

@@ -41,24 +41,26 @@ def train(cfg: DictConfig, *, student=None, teacher=None) -> dict:
         check_model_folder(run.student.name_or_path, run.student.from_scratch)
         if run.teacher.kind == "live":
             check_model_folder(run.teacher.name_or_path)
-        tokenizer = run_tokenizer(run.student, run.teacher)
-        data = DistillDataModule(tokenizer, run.data)
+        tokenizer, cross = _tokenizers(run)
+        data = DistillDataModule(tokenizer, run.data, pair=cross and cross.pair)
         data.setup("fit")  # data errors name their file and row before any model loads
         if teacher is None:
             teacher = build_teacher(run.teacher, run.cache and run.cache.dir,
                                     run.cache and run.cache.top_k, run.loss.temperature,
-                                    run.loss.sparse_mode)
+                                    run.loss.sparse_mode, cross and cross.teacher_tokenizer)
         student = student if student is not None else load_student(run.student)
         vocab = len(tokenizer)
         check_head_rows(student, vocab, "student")
         if teacher.model is not None:
-            check_head_rows(teacher.model, vocab, "teacher")
+            check_head_rows(teacher.model, len(cross.teacher_tokenizer) if cross else vocab,
+                            "teacher")
         apply_levers(run.speed, student, teacher.model)
         teacher.prepare(data, tokenizer)
         module = DistillModule(
             student, teacher, run.loss, optimizer=assemble.instantiate(cfg.optimizer),
             scheduler=assemble.instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
-            vocab_size=vocab, eos_token_id=tokenizer.eos_token_id)
+            vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
+            cross=cross)
         callbacks = assemble.build_callbacks(cfg, run, tokenizer)
         logger = assemble.loggers(cfg)
         trainer = assemble.build_trainer(cfg, callbacks, logger)
@@ -69,6 +71,16 @@ def train(cfg: DictConfig, *, student=None, teacher=None) -> dict:
             print_summary(out)
         assemble.close(logger)
     return out
+
+
+def _tokenizers(run):
+    """(the student's tokenizer, the cross-tokenizer pairing or None)."""
+    if not run.loss.cross_tokenizer:
+        return run_tokenizer(run.student, run.teacher), None
+    from distill.xtok.setup import cross_setup
+
+    cross = cross_setup(run)
+    return cross.student_tokenizer, cross
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

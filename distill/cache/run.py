@@ -33,6 +33,8 @@ def cache_teacher_logits(cfg: DictConfig) -> dict:
                          "offline_fkl, +experiment=hf_offline)")
     L.seed_everything(run.seed)
     c = run.cache
+    if run.loss.cross_tokenizer:
+        return _cross_tokenizer_cache(run)
     # the teacher's: what the cache records (training compares the student's with it)
     tokenizer = load_tokenizer(run.teacher.tokenizer_path)
     data = DistillDataModule(tokenizer, run.data)
@@ -57,6 +59,37 @@ def cache_teacher_logits(cfg: DictConfig) -> dict:
         return job.run(trainer, model)
     with lock:  # one caching job per cache folder
         return job.run(trainer, model)
+
+
+def _cross_tokenizer_cache(run) -> dict:
+    """A teacher with its own tokenizer: the cache holds the teacher's side of each example
+    (its tokens, byte offsets, top-k and own-token log-probs) and no student tokens, so it
+    serves any student (distill.xtok.cache). Written in one process, split by split."""
+    import torch
+
+    from distill.xtok.cache import write_cache
+    from distill.xtok.setup import cross_setup
+
+    c = run.cache
+    cross = cross_setup(run, with_offsets=True)
+    data = DistillDataModule(cross.student_tokenizer, run.data, pair=cross.pair)
+    data.setup("fit")
+    model = load_causal_lm(run.teacher.name_or_path, dtype=run.teacher.dtype,
+                           attn_implementation=run.teacher.attn_implementation)
+    check_head_rows(model, len(cross.teacher_tokenizer), "teacher")
+    if torch.cuda.is_available():
+        model = model.cuda()
+    written = {}
+    with RunLock(c.dir):
+        for split, ds in (("train", data.train_set), ("val", data.val_set)):
+            if ds is None or split not in c.splits:
+                continue
+            write_cache(c.dir, ds.to_list(), model, cross.teacher_tokenizer, top_k=c.top_k,
+                        temperature=c.temperature, split=split,
+                        teacher=run.teacher.name_or_path)
+            written[split] = len(ds)
+    print(f"cross-tokenizer teacher cache {c.dir}: {written}")
+    return {"dir": c.dir, "examples": written}
 
 
 def _command() -> str | None:

@@ -90,13 +90,17 @@ class HeadCheck(L.Callback):
             rank_zero_info("head check skipped under FSDP (the LM heads are sharded)")
             return
         ids = batch["input_ids"][:1, : self.positions]
-        models = {"student": pl_module.student}
-        if getattr(pl_module.teacher, "model", None) is not None:  # a cached one has none
-            models["teacher"] = pl_module.teacher.model
+        models = {"student": (pl_module.student, ids, pl_module.vocab_size)}
+        teacher = getattr(pl_module.teacher, "model", None)
+        if teacher is not None:  # a cached one has none
+            # a teacher with its own tokenizer reads its own tokens (distill.xtok)
+            t_ids = batch.get("teacher_input_ids", batch["input_ids"])[:1, : self.positions]
+            vocab = getattr(pl_module.teacher, "vocab_size", pl_module.vocab_size)
+            models["teacher"] = (teacher, t_ids, vocab)
         problems = []
         with trainer.precision_plugin.forward_context():
-            for who, model in models.items():
-                problem = head_mismatch(model, ids, pl_module.vocab_size, self.tolerance)
+            for who, (model, tokens, vocab) in models.items():
+                problem = head_mismatch(model, tokens, vocab, self.tolerance)
                 if problem:
                     problems.append(f"{who} {problem}")
         if problems:

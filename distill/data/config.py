@@ -70,6 +70,10 @@ class DataConfig:
     num_proc: int | None = setting(None, integer(1, null=True))
     mix_stopping: str = setting("first_exhausted", choice(("first_exhausted",
                                                           "all_exhausted")))
+    # cross-tokenizer runs (loss.cross_tokenizer): the teacher's side of each example
+    teacher_chat_template: str | None = setting(None, text(null=True))  # null: its tokenizer's
+    teacher_max_length: int | None = setting(None, integer(2, null=True,
+                                                           what=" (null: max_length)"))
 
     def problems(self, prefix: str = "") -> list[str]:
         out = []

@@ -22,11 +22,21 @@ from distill.rules import parse
 
 
 def build_dataset(sources, tokenizer, max_length: int, seed: int, mix: bool = True,
-                  stopping_strategy: str = "first_exhausted", **options):
+                  stopping_strategy: str = "first_exhausted", pair=None, **options):
     """Tokenized sources, mixed by weight (or concatenated). `options`: chat_template,
-    assistant_turns, cpt_stride, chat_template_kwargs, num_proc (distill.data.tokenize)."""
-    parts = [tokenize_source(load_source(s), s, tokenizer, max_length, **options)
-             for s in sources]
+    assistant_turns, cpt_stride, chat_template_kwargs, num_proc (distill.data.tokenize).
+    With `pair` (a distill.xtok PairEncoder) each row is tokenized for both models."""
+    if pair is not None:
+        from distill.xtok.data import tokenize_pair_source
+
+        parts = [tokenize_pair_source(load_source(s), s, pair, max_length,
+                                      options.get("teacher_max_length"),
+                                      options.get("cpt_stride"), options.get("num_proc"))
+                 for s in sources]
+    else:
+        options.pop("teacher_max_length", None)
+        parts = [tokenize_source(load_source(s), s, tokenizer, max_length, **options)
+                 for s in sources]
     if len(parts) == 1:
         return parts[0]
     if not mix:
@@ -53,9 +63,10 @@ def check_packing_support() -> None:
 
 
 class DistillDataModule(L.LightningDataModule):
-    """Built from a `DataConfig` (`data:` of the config), or its settings as keywords."""
+    """Built from a `DataConfig` (`data:` of the config), or its settings as keywords.
+    `pair`: a distill.xtok PairEncoder (cross-tokenizer runs: the teacher's tokens too)."""
 
-    def __init__(self, tokenizer, config: DataConfig | None = None, **settings):
+    def __init__(self, tokenizer, config: DataConfig | None = None, pair=None, **settings):
         super().__init__()
         cfg = config if config is not None else parse(DataConfig, settings, "data.")
         if config is not None and settings:
@@ -76,7 +87,15 @@ class DistillDataModule(L.LightningDataModule):
                         "num_proc": cfg.num_proc}
         if cfg.packing:
             check_packing_support()
+        self.pair = pair
         self.collate = PadCollator(tokenizer.pad_token_id, cfg.pad_to_multiple_of)
+        if pair is not None:
+            from distill.xtok.collate import PairCollator
+
+            teacher = pair.teacher.tokenizer
+            self.collate = PairCollator(tokenizer.pad_token_id, teacher.pad_token_id,
+                                        cfg.pad_to_multiple_of)
+            self.options["teacher_max_length"] = cfg.teacher_max_length
         self.train_set = self.val_set = self.train_examples = None
 
     def setup(self, stage: str | None = None):
@@ -85,13 +104,14 @@ class DistillDataModule(L.LightningDataModule):
             self.train_examples = build_dataset(self.train_sources, self.tokenizer,
                                                 self.max_length, self.cfg.seed,
                                                 stopping_strategy=self.cfg.mix_stopping,
-                                                **self.options)
+                                                pair=self.pair, **self.options)
             self.train_set = self.train_examples
             if self.packing:  # validation stays one example per row
                 self.train_set = pack_dataset(self.train_examples, self.max_length)
         if self.val_set is None and self.val_sources:
             self.val_set = build_dataset(self.val_sources, self.tokenizer, self.max_length,
-                                         self.cfg.seed, mix=False, **self.options)
+                                         self.cfg.seed, mix=False, pair=self.pair,
+                                         **self.options)
 
     def train_dataloader(self) -> StepWindows:
         """Each optimizer step's micro-batches as one window, built and counted in the

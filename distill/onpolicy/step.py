@@ -21,8 +21,11 @@ def make_sampler(name: str, settings: SamplingSettings, device_type: str):
 
 
 class OnPolicyStep:
+    """`cross` (a distill.xtok CrossSetup): the teacher has its own tokenizer; each sample
+    is re-tokenized for the other model (distill.xtok.rollout)."""
+
     def __init__(self, cfg: OnPolicyConfig, student, teacher_model, *, vocab_size,
-                 eos_token_id=None):
+                 eos_token_id=None, cross=None):
         if teacher_model is None:
             raise ValueError(f"loss.on_policy.fraction={cfg.fraction} needs a live teacher to "
                              "score the student's samples; a cached teacher only knows the "
@@ -33,13 +36,25 @@ class OnPolicyStep:
         pad = student.config.pad_token_id
         self.pad = pad if pad is not None else self.eos[0]
         self.vocab_size = vocab_size
+        self.cross = cross
+        # the teacher stops at its own tokens (another tokenizer: its own stop tokens too)
+        self.teacher_eos, self.teacher_pad, self.teacher_vocab = self.eos, self.pad, vocab_size
+        if cross is not None:
+            tok = cross.teacher_tokenizer
+            self.teacher_eos = stop_tokens(teacher_model, tok.eos_token_id)
+            self.teacher_pad = tok.pad_token_id if tok.pad_token_id is not None else \
+                self.teacher_eos[0]
+            self.teacher_vocab = len(tok)
         self._samplers: dict = {}
 
     def _sampler(self, who: str, device_type: str):
         if who not in self._samplers:
-            t = self.cfg.temperature if who == "student" else self.cfg.teacher_t
-            settings = SamplingSettings(t, self.cfg.top_p, self.cfg.max_new_tokens, self.eos,
-                                        self.pad, self.vocab_size)
+            student = who == "student"
+            t = self.cfg.temperature if student else self.cfg.teacher_t
+            settings = SamplingSettings(t, self.cfg.top_p, self.cfg.max_new_tokens,
+                                        self.eos if student else self.teacher_eos,
+                                        self.pad if student else self.teacher_pad,
+                                        self.vocab_size if student else self.teacher_vocab)
             self._samplers[who] = make_sampler(self.cfg.sampler, settings, device_type)
         return self._samplers[who]
 
@@ -47,9 +62,16 @@ class OnPolicyStep:
         """Rewrites `info`'s window in place (`info.rolled`); returns what was sampled."""
         device = next(student.parameters()).device.type
         seed = window_seed(self.cfg.seed, info.epoch, info.number, rank)
-        rolled, stats = rollout(info.batches, self.cfg, seed, self.pad, self.eos,
-                                self._sampler("student", device), student,
-                                self._sampler("teacher", device), self.teacher)
+        samplers = (self._sampler("student", device), student,
+                    self._sampler("teacher", device), self.teacher)
+        if self.cross is not None:
+            from distill.xtok.rollout import cross_rollout
+
+            rolled, stats = cross_rollout(info.batches, self.cfg, seed, self.cross.retokenizer,
+                                          self.cross.collate, *samplers, self.eos)
+        else:
+            rolled, stats = rollout(info.batches, self.cfg, seed, self.pad, self.eos,
+                                    *samplers)
         info.rolled = rolled
         return stats
 

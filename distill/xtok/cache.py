@@ -51,19 +51,21 @@ def _positions(labels) -> list[int]:
 
 
 @torch.no_grad()
+@torch.no_grad()
 def _example_rows(model, ex: dict, top_k: int, temperature: float, vocab: int):
-    ids = torch.tensor([ex["teacher_input_ids"]])
+    device = next(model.parameters()).device
+    ids = torch.tensor([ex["teacher_input_ids"]], device=device)
     hidden = final_hidden_states(model, ids)[0]  # (T, H)
     weight, head = lm_head(model)
     if head.bias is not None:
         head = HeadTransform(head.bias[:vocab], head.scale, head.softcap)
-    pos = torch.tensor(_positions(ex["teacher_labels"]), dtype=torch.long)
-    z = torch.empty((len(pos), vocab), dtype=torch.float32)
+    pos = torch.tensor(_positions(ex["teacher_labels"]), dtype=torch.long, device=device)
+    z = torch.empty((len(pos), vocab), dtype=torch.float32, device=device)
     z, _ = project(hidden[pos - 1], weight[:vocab], head, z)
     logp = log_softmax(z / temperature)
     top = logp.topk(top_k, -1)
     own = logp.gather(1, ids[0, pos][:, None]).squeeze(1)
-    return pos, top.indices, top.values, own
+    return pos.cpu(), top.indices.cpu(), top.values.cpu(), own.cpu()
 
 
 def write_cache(root, examples: list[dict], model, tokenizer, *, top_k: int,

@@ -58,6 +58,14 @@ class LiveCrossTeacher(torch.nn.Module):
     def train(self, mode: bool = True):
         return super().train(False)  # the teacher stays in eval mode
 
+    def prepare(self, datamodule, tokenizer) -> None:
+        """The data's teacher side was tokenized with this teacher's own tokenizer."""
+        pair = getattr(datamodule, "pair", None)
+        if pair is None:
+            raise ValueError("a cross-tokenizer teacher needs paired data (the teacher's own "
+                             "tokens of each example): loss.cross_tokenizer builds them")
+        self.check_tokenizer(pair.teacher.tokenizer)
+
     def check_tokenizer(self, tokenizer) -> None:
         """The data's teacher tokenizer must be the teacher's own."""
         from distill.cache.format import tokenizer_hash
@@ -86,6 +94,10 @@ class CachedCrossTeacher(torch.nn.Module):
         self.cache.expect("top_k", int(top_k))
         self.cache.expect("temperature", float(temperature))
         self.vocab_size = len(tokenizer)
+
+    def prepare(self, datamodule, tokenizer) -> None:
+        """Nothing to check ahead: each example's teacher tokens are checked against the
+        cache's when its batch is served."""
 
     @torch.no_grad()
     def targets(self, batch: dict, split: str = "train") -> dict:
