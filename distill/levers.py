@@ -35,13 +35,26 @@ class Speed:
         return on + ([f"attention={self.attention}"] if self.attention else [])
 
 
-def apply_levers(speed: Speed, student, teacher_model=None) -> list[str]:
+def packed_attention(speed: Speed, packing: bool) -> str | None:
+    """The attention a run uses: `speed.attention` as set, or for packed rows on CUDA the
+    one that masks documents apart without a dense (B, 1, T, T) mask: flash-attention 2
+    where it is installed, else flex_attention (sdpa and eager build the dense mask, and
+    lose sdpa's flash kernel: docs/benchmarks.md measures both)."""
+    if speed.attention is not None or not packing or not torch.cuda.is_available():
+        return speed.attention
+    from transformers.utils import is_flash_attn_2_available
+
+    return "flash_attention_2" if is_flash_attn_2_available() else "flex_attention"
+
+
+def apply_levers(speed: Speed, student, teacher_model=None, packing: bool = False) -> list[str]:
     """Switch the levers on for `student` and, where they apply, `teacher_model` (a live
     teacher's HF model; None for a cached teacher). Returns what was applied."""
     models = [m for m in (student, teacher_model) if m is not None]
-    if speed.attention:
+    attention = packed_attention(speed, packing)
+    if attention:
         for model in models:
-            set_attention(model, speed.attention)
+            set_attention(model, attention)
     if speed.liger:
         for model in models:
             apply_liger(model)
@@ -52,7 +65,10 @@ def apply_levers(speed: Speed, student, teacher_model=None) -> list[str]:
     if speed.compile:
         for model in models:
             compile_layers(model, speed.compile_backend)
-    return speed.active()
+    applied = speed.active()
+    if attention != speed.attention:
+        applied.append(f"attention={attention} (packed rows on CUDA)")
+    return applied
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:

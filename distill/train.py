@@ -10,6 +10,7 @@ Tests and the Python API call `train(cfg)` directly.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import hydra
@@ -30,6 +31,7 @@ from distill.teachers import build_teacher
 from distill.tokenizers import run_tokenizer
 
 register_resolvers()  # ${distill_output_dir:}, ${distill_demo:}
+log = logging.getLogger(__name__)
 
 
 def train(cfg: DictConfig, *, student=None, teacher=None) -> dict:
@@ -54,7 +56,9 @@ def train(cfg: DictConfig, *, student=None, teacher=None) -> dict:
         if teacher.model is not None:
             check_head_rows(teacher.model, len(cross.teacher_tokenizer) if cross else vocab,
                             "teacher")
-        apply_levers(run.speed, student, teacher.model)
+        levers = apply_levers(run.speed, student, teacher.model, run.data.packing)
+        if levers:
+            log.info("speed levers: %s", ", ".join(levers))
         teacher.prepare(data, tokenizer)
         module = DistillModule(
             student, teacher, run.loss, optimizer=assemble.instantiate(cfg.optimizer),

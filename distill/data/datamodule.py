@@ -88,7 +88,10 @@ class DistillDataModule(L.LightningDataModule):
         if cfg.packing:
             check_packing_support()
         self.pair = pair
-        self.collate = PadCollator(tokenizer.pad_token_id, cfg.pad_to_multiple_of)
+        # packed rows are padded to max_length: one shape, which compiled kernels
+        # (flex_attention, torch.compile) see once instead of once per batch
+        multiple = cfg.max_length if cfg.packing else cfg.pad_to_multiple_of
+        self.collate = PadCollator(tokenizer.pad_token_id, multiple)
         if pair is not None:
             from distill.xtok.collate import PairCollator
 

@@ -1,0 +1,245 @@
+"""The run a user starts against the benchmark's step, with the same clock and memory counter.
+
+    python bench/bench_run.py --out $OUT/run                     # GPU: the llama pair
+    python bench/bench_run.py --out /tmp/run --tiny --steps 8    # CPU: the same code, tiny
+
+For each variant (packed rows, unpacked rows, a cached teacher read from a real Arrow cache
+the caching job writes first), two measurements, each in a subprocess of its own so that the
+other's memory is gone:
+- the run: `python -m distill.train +experiment=hf_sft trainer=gpu ...` on saved
+  random-weight models at real shapes (bench/make_real_shape_models.py), with the
+  StepTimer callback (distill/callbacks/step_timer.py): each optimizer step's time,
+  device-synchronized at both ends, tokens, and the allocator's peak after the warm-up;
+- the step: the same models' shapes built in memory, the same batches (the run's own
+  DistillDataModule and collate), the same levers, DistillModule's objective + backward +
+  clipping + AdamW for each batch, timed the same way.
+Prints one markdown table (tokens/s, ms per step, peak allocated, run/step ratio, the
+compile/recompile counts of the run's log) and writes bench_run.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+VARIANTS = {  # name -> (packing, cached teacher)
+    "packed": (True, False),
+    "unpacked": (False, False),
+    "cached": (True, True),  # packed rows, the teacher read from its cache
+}
+
+
+def run_cmd(cmd: list[str], log: Path, timeout: float, env=None) -> int:
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n\n")
+        f.flush()
+        try:
+            return subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout, env={**os.environ, **(env or {})}).returncode
+        except subprocess.TimeoutExpired:
+            f.write(f"\n[bench_run] timed out after {timeout} s\n")
+            return 124
+
+
+def overrides(args, root: Path, packing: bool, cached: bool) -> list[str]:
+    pair = root / args.pair
+    ov = ["+experiment=hf_sft", f"student.name_or_path={pair / 'student'}",
+          f"teacher.name_or_path={pair / 'teacher'}", f"paths.data={root / 'data'}",
+          "data.val=null", f"data.packing={'true' if packing else 'false'}",
+          f"data.max_length={args.max_length}", f"data.batch_size={args.batch_size}",
+          "data.num_workers=2"]
+    if not args.tiny:
+        ov.append("trainer=gpu")
+    else:
+        ov += ["trainer=cpu", "student.dtype=float32", "teacher.dtype=float32"]
+    if cached:
+        ov += ["teacher=cached", f"cache.dir={root / 'cache'}", "cache.top_k=64"]
+    return ov + list(args.overrides)
+
+
+def cli_run(args, root, name, packing, cached) -> dict:
+    timer = root / f"timer_{name}.json"
+    out = root / "runs" / name.replace(", ", "_")
+    cmd = [sys.executable, "-m", "distill.train", *overrides(args, root, packing, cached),
+           f"paths.output_dir={out}", f"trainer.max_steps={args.steps}",
+           f"trainer.val_check_interval={args.steps}", "callbacks.checkpoint=null",
+           "callbacks.export=null", "trainer.log_every_n_steps=5",
+           f"+callbacks.timer={{_target_:distill.callbacks.step_timer.StepTimer,"
+           f"path:'{timer}',warmup:{args.warmup}}}"]
+    log = args.out / f"run_{name}.log"
+    t0 = time.perf_counter()
+    rc = run_cmd(cmd, log, args.timeout, env={"TORCH_LOGS": "recompiles"})
+    result = {"rc": rc, "wall_s": round(time.perf_counter() - t0, 1)}
+    if timer.exists():
+        result.update(json.loads(timer.read_text()))
+    text = log.read_text(errors="replace")
+    result["recompiles"] = text.count("Recompiling function")
+    return result
+
+
+def step_bench(args, root: Path, name: str, packing: bool, cached: bool) -> dict:
+    """The benchmark's step on the run's own batches (this runs in its own process)."""
+    import torch
+    from bench_train_steps import distill_step, make_module
+    from hydra import compose, initialize_config_module
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from distill.config import parse
+    from distill.data import DistillDataModule
+    from distill.levers import apply_levers
+    from distill.models import load_tokenizer
+    from distill.teachers import CachedTeacher, LiveTeacher
+
+    with initialize_config_module("distill.conf", version_base="1.3"):
+        cfg = compose("train", overrides=overrides(args, root, packing, cached)
+                      + [f"paths.output_dir={root / 'step_out'}"])
+    run = parse(cfg)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    tok = load_tokenizer(run.teacher.name_or_path)
+    data = DistillDataModule(tok, run.data)
+    data.setup("fit")
+    torch.manual_seed(0)
+    with torch.device(device):
+        student = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(run.student.name_or_path)).float()
+        if cached:
+            teacher = CachedTeacher(run.cache.dir, run.teacher.name_or_path, run.cache.top_k,
+                                    run.loss.temperature)
+            teacher.prefetch_in(data)
+        else:
+            t_model = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(run.teacher.name_or_path),
+                dtype=torch.float32 if args.tiny else torch.bfloat16)
+            teacher = LiveTeacher.from_model(t_model)
+    apply_levers(run.speed, student, teacher.model, run.data.packing)
+    module = make_module(student, teacher, len(tok), lr=1e-5)
+    loader = torch.utils.data.DataLoader(data.train_set, batch_size=data.batch_size,
+                                         shuffle=False, collate_fn=data.collate,
+                                         num_workers=2)
+
+    class Run:  # what bench_train_steps.distill_step reads
+        cuda = device.type == "cuda"
+
+    Run.device = device
+    ms, tokens = [], []
+    for i, batch in enumerate(loader):
+        if i == args.warmup + args.bench_steps:
+            break
+        batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+        step = distill_step(module, batch, Run)
+        if Run.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if Run.cuda:
+            torch.cuda.synchronize()
+        ms.append(1000 * (time.perf_counter() - t0))
+        tokens.append(int(batch["attention_mask"].sum()))
+        if i + 1 == args.warmup and Run.cuda:
+            torch.cuda.reset_peak_memory_stats()
+    steady = list(zip(ms, tokens))[args.warmup:]
+    med = statistics.median(m for m, _ in steady)
+    toks = statistics.median(t for _, t in steady)
+    out = {"median_ms": med, "median_tokens": toks, "tokens_per_s": toks / med * 1000,
+           "ms": ms}
+    if Run.cuda:
+        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def build(args, root: Path) -> None:
+    import make_real_shape_models as real
+
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / args.pair / "teacher" / "config.json").exists():
+        import torch
+
+        real.build_pair(args.pair, root, args.tiny, "cpu" if args.tiny else "cuda")
+        if not args.tiny:
+            torch.cuda.empty_cache()
+    rows = args.steps * args.batch_size * 4 + 64  # more than the packed rows need
+    real.make_chat_data(root / "data", rows, 8, args.tiny)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("bench_out/run"))
+    p.add_argument("--root", type=Path, default=Path("/tmp/distill_bench_run"))
+    p.add_argument("--pair", default="llama")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--bench-steps", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--phase", default="all", help="all | step:<variant> (internal)")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.batch_size, args.max_length = min(args.batch_size, 4), min(args.max_length, 256)
+    args.out.mkdir(parents=True, exist_ok=True)
+    root = args.root
+    if args.phase.startswith("step:"):
+        name = args.phase[5:]
+        result = step_bench(args, root, name, *VARIANTS[name])
+        (args.out / f"step_{name}.json").write_text(json.dumps(result))
+        return 0
+    build(args, root)
+    results = {}
+    for name in args.variants.split(","):
+        packing, cached = VARIANTS[name]
+        if cached and not (root / "cache" / "metadata.json").exists():
+            cmd = [sys.executable, "-m", "distill.cache.run",
+                   *overrides(args, root, packing, cached), f"paths.output_dir={root / 'c'}"]
+            rc = run_cmd(cmd, args.out / "cache_job.log", args.timeout)
+            if rc:
+                results[name] = {"skipped": f"the caching job failed (rc {rc})"}
+                continue
+        row = {"run": cli_run(args, root, name, packing, cached)}
+        cmd = [sys.executable, __file__, "--phase", f"step:{name}", "--out", str(args.out),
+               "--root", str(root), "--pair", args.pair, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--bench-steps", str(args.bench_steps),
+               "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
+               *(["--tiny"] if args.tiny else []), *args.overrides]
+        rc = run_cmd(cmd, args.out / f"step_{name}.log", args.timeout)
+        got = args.out / f"step_{name}.json"
+        row["step"] = json.loads(got.read_text()) if got.exists() else {"rc": rc}
+        results[name] = row
+        (args.out / "bench_run.json").write_text(json.dumps(results, indent=1))
+    print_table(results)
+    return 0
+
+
+def print_table(results: dict) -> None:
+    print("| variant | step alone: ms / tokens/s / peak | the run: ms / tokens/s / peak | "
+          "run / step tokens/s | recompiles after start |")
+    print("|---|---|---|---|---|")
+    for name, row in results.items():
+        if "run" not in row:
+            print(f"| {name} | {row.get('skipped')} | | | |")
+            continue
+        s, r = row["step"], row["run"]
+
+        def cell(x):
+            if "tokens_per_s" not in x:
+                return f"failed (rc {x.get('rc')})"
+            peak = f"{x['peak_allocated_gib']:.1f} GiB" if "peak_allocated_gib" in x else "-"
+            return f"{x['median_ms']:.0f} ms / {x['tokens_per_s']:,.0f} / {peak}"
+        ratio = (f"{r['tokens_per_s'] / s['tokens_per_s']:.3f}"
+                 if "tokens_per_s" in r and "tokens_per_s" in s else "-")
+        print(f"| {name} | {cell(s)} | {cell(r)} | {ratio} | {r.get('recompiles', '-')} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""StepTimer: the wall time, tokens and memory of each optimizer step of a real run, with the
+clock and the allocator peak the benchmarks use (bench/bench_run.py puts them side by side).
+
+A step's time runs from the previous step's end to this one's, the device synchronized at
+both ends, so it holds everything the run does per step (data, rollout, logging, the
+optimizer), validation excluded. The allocator's peak is reset after `warmup` steps;
+the JSON written to `path` when training ends has the per-step numbers and the medians.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from distill.callbacks.throughput import real_tokens, trained_batch
+
+
+class StepTimer(L.Callback):
+    def __init__(self, path: str, warmup: int = 5):
+        self.path, self.warmup = Path(path), warmup
+        self.ms: list[float] = []
+        self.tokens: list[int] = []
+        self._step_tokens, self._last, self._seen_step = 0, None, 0
+
+    def _sync(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._sync()
+        self._last, self._seen_step = time.perf_counter(), trainer.global_step
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._sync()
+        self._val_t0 = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._sync()
+        if self._last is not None:  # validation is not part of a training step
+            self._last += time.perf_counter() - self._val_t0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._step_tokens += real_tokens(trained_batch(batch))
+        if trainer.global_step == self._seen_step:
+            return  # still inside the step's window
+        self._seen_step = trainer.global_step
+        self._sync()
+        now = time.perf_counter()
+        self.ms.append(1000 * (now - self._last))
+        self.tokens.append(self._step_tokens)
+        self._last, self._step_tokens = now, 0
+        if len(self.ms) == self.warmup and torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def summary(self) -> dict:
+        steady = list(zip(self.ms, self.tokens))[self.warmup:]
+        out = {"steps": len(self.ms), "warmup": self.warmup, "ms": self.ms,
+               "tokens": self.tokens}
+        if steady:
+            ms = statistics.median(m for m, _ in steady)
+            toks = statistics.median(t for _, t in steady)
+            out.update(median_ms=ms, median_tokens=toks, tokens_per_s=toks / ms * 1000)
+        if torch.cuda.is_available():
+            out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        return out
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.summary(), indent=1))
