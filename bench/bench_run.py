@@ -35,7 +35,10 @@ VARIANTS = {  # name -> (packing, cached teacher)
     "packed": (True, False),
     "unpacked": (False, False),
     "cached": (True, True),  # packed rows, the teacher read from its cache
+    "onpolicy": (False, False),  # every row rewritten by the student's own sample
 }
+ONPOLICY = ["loss.on_policy.fraction=1.0", "loss.on_policy.max_new_tokens=256",
+            "data.max_length=512"]
 
 
 def run_cmd(cmd: list[str], log: Path, timeout: float, env=None) -> int:
@@ -63,11 +66,13 @@ def overrides(args, root: Path, packing: bool, cached: bool) -> list[str]:
         ov += ["trainer=cpu", "student.dtype=float32", "teacher.dtype=float32"]
     if cached:
         ov += ["teacher=cached", f"cache.dir={root / 'cache'}", "cache.top_k=64"]
+    if args.onpolicy:
+        ov += ONPOLICY
     return ov + list(args.overrides)
 
 
 def cli_run(args, root, name, packing, cached) -> dict:
-    timer = root / f"timer_{name}.json"
+    timer = args.out / f"timer_{name}.json"
     out = root / "runs" / name.replace(", ", "_")
     cmd = [sys.executable, "-m", "distill.train", *overrides(args, root, packing, cached),
            f"paths.output_dir={out}", f"trainer.max_steps={args.steps}",
@@ -83,6 +88,16 @@ def cli_run(args, root, name, packing, cached) -> dict:
         result.update(json.loads(timer.read_text()))
     text = log.read_text(errors="replace")
     result["recompiles"] = text.count("Recompiling function")
+    # after the warm-up steps: the progress bar's step count when each recompile was logged
+    metrics = sorted(out.glob("logs/version_*/metrics.csv"))
+    if metrics:
+        import csv
+
+        rows = list(csv.DictReader(metrics[-1].open()))
+        for key in ("time/rollout_s", "time/train_s"):
+            vals = [float(r[key]) for r in rows if r.get(key)][args.warmup:]
+            if vals:
+                result[key] = statistics.median(vals)
     return result
 
 
@@ -184,6 +199,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--phase", default="all", help="all | step:<variant> (internal)")
+    p.add_argument("--onpolicy", action="store_true",
+                   help="every run samples (the onpolicy variant's overrides)")
+    p.add_argument("--no-step", default="", help="variants measured as runs only")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     if args.tiny:
@@ -199,6 +217,7 @@ def main(argv=None) -> int:
     results = {}
     for name in args.variants.split(","):
         packing, cached = VARIANTS[name]
+        args.onpolicy = name == "onpolicy"
         if cached and not (root / "cache" / "metadata.json").exists():
             cmd = [sys.executable, "-m", "distill.cache.run",
                    *overrides(args, root, packing, cached), f"paths.output_dir={root / 'c'}"]
@@ -207,6 +226,11 @@ def main(argv=None) -> int:
                 results[name] = {"skipped": f"the caching job failed (rc {rc})"}
                 continue
         row = {"run": cli_run(args, root, name, packing, cached)}
+        if name in args.no_step.split(",") or args.onpolicy:
+            row["step"] = {}
+            results[name] = row
+            (args.out / "bench_run.json").write_text(json.dumps(results, indent=1))
+            continue
         cmd = [sys.executable, __file__, "--phase", f"step:{name}", "--out", str(args.out),
                "--root", str(root), "--pair", args.pair, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--bench-steps", str(args.bench_steps),
@@ -238,7 +262,12 @@ def print_table(results: dict) -> None:
             return f"{x['median_ms']:.0f} ms / {x['tokens_per_s']:,.0f} / {peak}"
         ratio = (f"{r['tokens_per_s'] / s['tokens_per_s']:.3f}"
                  if "tokens_per_s" in r and "tokens_per_s" in s else "-")
-        print(f"| {name} | {cell(s)} | {cell(r)} | {ratio} | {r.get('recompiles', '-')} |")
+        extra = ""
+        if "time/rollout_s" in r:
+            share = r["time/rollout_s"] / (r["time/rollout_s"] + r.get("time/train_s", 0))
+            extra = f" (rollout {r['time/rollout_s']:.2f} s = {100 * share:.0f}% of the step)"
+        print(f"| {name} | {cell(s) if s else '-'} | {cell(r)}{extra} | {ratio} | "
+              f"{r.get('recompiles', '-')} |")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def sync() -> None:
 
 def hf_generate(model, rows, new, vocab=VOCAB, eos=(EOS,)):
     """HF generate, greedy (HFSampler's path: top_k plays no part when greedy)."""
-    return HFSampler(0.0, 1.0, new, list(eos), 0, vocab)(model, rows, seed=0)
+    return HFSampler(SamplingSettings(0.0, 1.0, new, list(eos), 0, vocab))(model, rows, seed=0)
 
 
 def bucket_report(s: StaticSampler) -> list:

@@ -1,8 +1,7 @@
 """Tiny Llama / Qwen2 models from config classes, and the HF `generate` reference.
 
-The reference is `generate` with `top_k=0`: `HFSampler` passes `top_k=None`, which
-transformers 5.17 and 5.24 both read as their default top_k=50, so HFSampler samples from
-the 50 most likely tokens whatever the config says (seen while writing these tests).
+The reference is `generate` with `top_k=0` (no top-k, exactly as configured), as
+HFSampler calls it: transformers reads `top_k=None` as its default of 50.
 """
 
 from __future__ import annotations
