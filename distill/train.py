@@ -10,6 +10,7 @@ Tests and the Python API call `train(cfg)` directly.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 
 import hydra
@@ -17,6 +18,7 @@ import lightning as L
 from omegaconf import DictConfig
 
 from distill import assemble
+from distill.callbacks.guard import RunInterrupted, interrupted_outside_steps
 from distill.config import parse
 from distill.data import DistillDataModule
 from distill.levers import apply_levers
@@ -63,7 +65,8 @@ def train(cfg: DictConfig, *, student=None, teacher=None) -> dict:
         logger = assemble.loggers(cfg)
         trainer = assemble.build_trainer(cfg, callbacks, logger)
         ckpt_path = resolve_ckpt_path(run.ckpt_path, callbacks)
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        with interrupted_outside_steps(trainer):
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
         out = assemble.finish(trainer, module, callbacks, run, time.perf_counter() - t0)
         if trainer.is_global_zero:
             print_summary(out)
@@ -73,7 +76,11 @@ def train(cfg: DictConfig, *, student=None, teacher=None) -> dict:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    train(cfg)
+    try:
+        train(cfg)
+    except RunInterrupted as stop:  # a non-zero exit: `train && eval` must not carry on
+        print(f"\n{stop}", file=sys.stderr, flush=True)
+        sys.exit(stop.exit_code)
 
 
 if __name__ == "__main__":
