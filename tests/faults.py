@@ -12,12 +12,15 @@ import torch
 
 
 class PoisonGrads(L.Callback):
-    """A NaN in one gradient during the optimizer steps [at, at + steps) (0-based)."""
+    """A NaN in one gradient during the optimizer steps [at, at + steps) (0-based), on every
+    rank or on `rank` only (after DDP's all-reduce: the other ranks' gradients are finite)."""
 
-    def __init__(self, at: int, steps: int = 1):
-        self.at, self.steps = at, steps
+    def __init__(self, at: int, steps: int = 1, rank: int | None = None):
+        self.at, self.steps, self.rank = at, steps, rank
 
     def on_after_backward(self, trainer, pl_module):
+        if self.rank is not None and trainer.global_rank != self.rank:
+            return
         if self.at <= trainer.global_step < self.at + self.steps:
             p = next(p for p in pl_module.student.parameters() if p.grad is not None)
             p.grad.view(-1)[0] = float("nan")

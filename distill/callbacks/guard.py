@@ -9,7 +9,7 @@
 - `StopOnSignal`: SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C) are deferred to
   the end of the optimizer step under way, where a resumable checkpoint is saved (the
   atomic checkpoint writer) and the run stops with `RunInterrupted`, whose message is the
-  resume command; `distill-train` then exits 128 + the signal (143, 130), so that
+  resume command; `python -m distill.train` then exits 128 + the signal (143, 130), so that
   `train && eval` does not carry on. A second Ctrl-C stops at once. The requeue signal
   of Lightning's SLURM auto-requeue (SIGUSR1) is deferred to the step boundary too, where
   Lightning's own handler then saves its checkpoint and requeues the job.
@@ -72,7 +72,7 @@ def resume_command(ckpt: Path) -> str:
     kept = [o for o in hydra.overrides.task
             if not o.lstrip("+~").startswith(("ckpt_path=", "paths.output_dir="))]
     out = f"paths.output_dir={shlex.quote(str(hydra.runtime.output_dir))}"
-    return " ".join(["distill-train", *map(shlex.quote, kept), out, ckpt_arg])
+    return " ".join(["python -m distill.train", *map(shlex.quote, kept), out, ckpt_arg])
 
 
 def grad_norm(trainer, pl_module) -> torch.Tensor | None:
@@ -232,7 +232,9 @@ class StopOnSignal(L.Callback):
         self.received = [s for s in self.received if s in STOP_SIGNALS]
 
     def _stop(self, trainer, signum: int) -> None:
-        path = checkpoint_target(trainer)
+        path, owner = checkpoint_target(trainer)
+        if owner is not None:  # its state then says it wrote the file: a resumed run's
+            owner.last_model_path = str(path)  # saves replace it (no last-v1.ckpt beside it)
         trainer.save_checkpoint(path)  # every rank takes part; written atomically
         name = STOP_SIGNALS[signum]
         raise RunInterrupted(
@@ -241,13 +243,14 @@ class StopOnSignal(L.Callback):
             f"{resume_command(path)}", signum, path)
 
 
-def checkpoint_target(trainer) -> Path:
-    """Where an interrupted run saves: the checkpoint callback's last.ckpt (what
-    `ckpt_path=last` finds), else `interrupted.ckpt` in the trainer's root folder."""
+def checkpoint_target(trainer) -> tuple[Path, ModelCheckpoint | None]:
+    """Where an interrupted run saves, and the callback whose file it is: the checkpoint
+    callback's last.ckpt (what `ckpt_path=last` finds), else `interrupted.ckpt` in the
+    trainer's root folder."""
     for cb in trainer.checkpoint_callbacks:
         if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
-            return Path(cb.dirpath) / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
-    return Path(trainer.default_root_dir) / "interrupted.ckpt"
+            return Path(cb.dirpath) / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}", cb
+    return Path(trainer.default_root_dir) / "interrupted.ckpt", None
 
 
 @contextlib.contextmanager
