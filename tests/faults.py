@@ -66,3 +66,33 @@ def windows_state(ckpt: dict) -> dict:
 def all_finite(state: dict) -> bool:
     return all(bool(torch.isfinite(v).all()) for v in state.values()
                if torch.is_tensor(v) and v.is_floating_point())
+
+
+def train_with_a_save_that_hangs(hang_at: int = 2) -> None:
+    """`python -m distill.train` whose `hang_at`-th checkpoint save (1-based) writes half
+    its bytes to the temporary file, says so on stdout, and hangs there (to be SIGKILLed)."""
+    import io
+    import sys
+    import time
+
+    import distill.checkpoint_io as cio
+    import distill.train
+
+    real, calls = cio.torch.save, []
+
+    def save(obj, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) < hang_at:
+            return real(obj, f, *args, **kwargs)
+        data = io.BytesIO()
+        real(obj, data)
+        with open(f, "wb") as out:
+            out.write(data.getvalue()[: len(data.getvalue()) // 2])
+            out.flush()
+            os.fsync(out.fileno())
+        print(f"HALF-WRITTEN {f}", flush=True)
+        time.sleep(600)
+
+    cio.torch.save = save
+    sys.argv = ["distill.train", *sys.argv[1:]]
+    distill.train.main()
