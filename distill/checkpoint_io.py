@@ -92,9 +92,11 @@ def read_checkpoint(path) -> dict:
     path = Path(path)
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except RuntimeError as err:
-        if "mmap" in str(err):  # an old, non-zip checkpoint: read it whole
-            return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, OSError):
+        pass  # an old, non-zip checkpoint cannot be mapped; nor can a damaged one
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, OSError, EOFError) as err:
         raise ValueError(f"{path} is not a whole checkpoint ({path.stat().st_size} bytes; "
                          f"{str(err).splitlines()[0]}): it was cut short or damaged; use "
                          "another checkpoint (checkpoints/ keeps last.ckpt and the "

@@ -1,9 +1,12 @@
 """Entry point: `python -m distill.train +experiment=sft_rkl [overrides]` (or `distill-train`).
 
 `train(cfg)` checks every setting (distill.config), then builds the run in order, so that a
-bad input stops it before the expensive parts load: the tokenizers (compared), the data
-(opened and tokenized), the teacher and the student, the module, callbacks and trainer;
-then it fits, scores and returns a summary dict. `main` is the thin @hydra.main wrapper.
+bad input stops it before the expensive parts load: the data sources (opened, first rows
+checked), the model folders (whole), the tokenizers (compared), the data (tokenized; no
+example longer than the models' positions), the callbacks and the checkpoint to resume, the
+student (the checkpoint must be its own), the teacher, the module and trainer; then it fits,
+scores and returns a summary dict. A run stopped by a signal raises RunInterrupted, which
+`main` turns into exit status 128 + the signal. `main` is the thin @hydra.main wrapper.
 Tests and the Python API call `train(cfg)` directly.
 """
 
@@ -19,11 +22,14 @@ from omegaconf import DictConfig
 
 from distill import assemble
 from distill.callbacks.guard import RunInterrupted, interrupted_outside_steps
+from distill.checkpoint_io import check_resume
 from distill.config import parse
 from distill.data import DistillDataModule
+from distill.data.rows import open_sources
+from distill.data.tokenize import longest
 from distill.levers import apply_levers
 from distill.lora import load_student
-from distill.models import check_head_rows, check_model_folder
+from distill.models import check_head_rows, check_model_folder, check_positions
 from distill.module import DistillModule
 from distill.paths import RunLock, is_launch_rank, register_resolvers
 from distill.report import print_summary
@@ -40,17 +46,22 @@ def train(cfg: DictConfig, *, student=None, teacher=None) -> dict:
     L.seed_everything(run.seed, workers=True)
     lock = RunLock(run.paths["output_dir"]) if is_launch_rank() else None
     with lock or contextlib.nullcontext():
+        open_sources(run.data)  # files, formats, columns, first rows: before any model
         check_model_folder(run.student.name_or_path, run.student.from_scratch)
         if run.teacher.kind == "live":
-            check_model_folder(run.teacher.name_or_path)
+            check_model_folder(run.teacher.name_or_path, who="teacher")
         tokenizer = run_tokenizer(run.student, run.teacher)
         data = DistillDataModule(tokenizer, run.data)
-        data.setup("fit")  # data errors name their file and row before any model loads
+        data.setup("fit")  # every row: data errors name their file and row
+        check_positions(longest(data.train_examples, data.val_set), model_paths(run))
+        callbacks = assemble.build_callbacks(cfg, run, tokenizer)
+        ckpt_path = resolve_ckpt_path(run.ckpt_path, callbacks)
+        student = student if student is not None else load_student(run.student)
+        check_resume(ckpt_path, student, run.student.name_or_path)  # before the teacher
         if teacher is None:
             teacher = build_teacher(run.teacher, run.cache and run.cache.dir,
                                     run.cache and run.cache.top_k, run.loss.temperature,
                                     run.loss.sparse_mode)
-        student = student if student is not None else load_student(run.student)
         vocab = len(tokenizer)
         check_head_rows(student, vocab, "student")
         if teacher.model is not None:
@@ -61,10 +72,8 @@ def train(cfg: DictConfig, *, student=None, teacher=None) -> dict:
             student, teacher, run.loss, optimizer=assemble.instantiate(cfg.optimizer),
             scheduler=assemble.instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
             vocab_size=vocab, eos_token_id=tokenizer.eos_token_id)
-        callbacks = assemble.build_callbacks(cfg, run, tokenizer)
         logger = assemble.loggers(cfg)
         trainer = assemble.build_trainer(cfg, callbacks, logger)
-        ckpt_path = resolve_ckpt_path(run.ckpt_path, callbacks)
         with interrupted_outside_steps(trainer):
             trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
         out = assemble.finish(trainer, module, callbacks, run, time.perf_counter() - t0)
@@ -72,6 +81,12 @@ def train(cfg: DictConfig, *, student=None, teacher=None) -> dict:
             print_summary(out)
         assemble.close(logger)
     return out
+
+
+def model_paths(run) -> dict[str, str]:
+    """The models a run loads by name, whose configs bound the example length."""
+    live = {"teacher": run.teacher.name_or_path} if run.teacher.kind == "live" else {}
+    return {"student": run.student.name_or_path, **live}
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
