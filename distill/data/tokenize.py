@@ -11,7 +11,8 @@
   student writes the completion). A prompt longer than `max_length` is dropped.
 
 Nothing is cut or dropped silently: each source logs one line with the counts.
-Example ids are `name:row`, or `name:row.k` when a row gives several examples.
+Example ids are `name:row`, or `name:row.k` when a row gives several examples (a val
+source named like a train source: `name@val:row`).
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def tokenize_source(ds, source: dict, tokenizer, max_length: int, *, chat_templa
     """Map one raw source to input_ids / labels / example_id; refuse it if nothing trains.
     `num_proc` > 1 tokenizes in that many processes (datasets.map)."""
     kind, name = source.get("kind", "sft"), source_name(source)
+    known_as = source.get("ids", name)  # what example ids start with (DistillDataModule)
     chat = None if kind == "cpt" else ChatEncoder(tokenizer, chat_template, assistant_turns,
                                                   chat_template_kwargs)
     encode_row = RowEncoder(source, columns(source, ds.column_names), tokenizer, max_length,
@@ -151,7 +153,7 @@ def tokenize_source(ds, source: dict, tokenizer, max_length: int, *, chat_templa
             if drop:  # a placeholder row carries the reason to the summary
                 examples = [([], [])]
             for k, (ids, labels) in enumerate(examples):
-                eid = f"{name}:{idx}" if len(examples) == 1 else f"{name}:{idx}.{k}"
+                eid = f"{known_as}:{idx}" if len(examples) == 1 else f"{known_as}:{idx}.{k}"
                 cut = max(0, len(ids) - max_length)
                 for key, v in zip(FEATURES, (ids[:max_length], labels[:max_length], eid, k,
                                              cut, drop, need)):

@@ -154,15 +154,22 @@ def test_sources_are_opened_and_their_first_rows_checked_without_a_tokenizer(tmp
         open_sources(cfg)
 
 
-def test_two_sources_of_one_name_are_refused(chatml, tmp_path):
+def test_sources_named_alike_get_example_ids_of_their_own(chatml, tmp_path):
     """The README's example named train and val `mine` alike: their examples shared ids, and
-    the teacher cache's index mixed them (`tokens of example 'mine:22' differs`)."""
+    the teacher cache's index mixed them (`tokens of example 'mine:0' differs`). A val source
+    named like a train one now gets ids of its own; two of one split are refused."""
     from distill.rules import ConfigError
 
-    a, b = write(tmp_path / "a.jsonl", [OK]), write(tmp_path / "b.jsonl", [OK])
-    with pytest.raises(ConfigError, match=r"data.train\[0\] and data.val\[0\] are both named "
+    a, b = write(tmp_path / "a.jsonl", [OK]), write(tmp_path / "b.jsonl", [OK, OK])
+    dm = DistillDataModule(chatml, train=[{"name": "mine", "path": str(a)}],
+                           val=[{"name": "mine", "path": str(b)}])
+    dm.setup("fit")
+    assert dm.train_set["example_id"] == ["mine:0"]
+    assert dm.val_set["example_id"] == ["mine@val:0", "mine@val:1"]
+    with pytest.raises(ConfigError, match=r"data.train\[0\] and data.train\[1\] are both named "
                                           r"'mine': each source needs a name of its own"):
-        DistillDataModule(chatml, train=[{"name": "mine", "path": str(a)}],
-                          val=[{"name": "mine", "path": str(b)}])
-    with pytest.raises(ConfigError, match=r"data.train\[0\] and data.train\[1\] are both named"):
-        DistillDataModule(chatml, train=[{"path": str(a)}, {"path": str(a)}])
+        DistillDataModule(chatml, train=[{"name": "mine", "path": str(a)},
+                                         {"name": "mine", "path": str(b)}])
+    with pytest.raises(ConfigError, match=r"data.val\[0\] and data.val\[1\] are both named"):
+        DistillDataModule(chatml, train=[{"path": str(a)}], val=[{"path": str(b)},
+                                                                 {"path": str(b)}])
