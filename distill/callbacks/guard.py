@@ -255,9 +255,10 @@ def checkpoint_target(trainer) -> tuple[Path, ModelCheckpoint | None]:
 
 @contextlib.contextmanager
 def interrupted_outside_steps(trainer):
-    """Around `trainer.fit`: Lightning's own SIGTERM handling (before the first step or
-    while StopOnSignal is not installed) ends fit with SIGTERMException, a SystemExit of
-    status 0; it becomes RunInterrupted, status 143, naming the last checkpoint."""
+    """Around `trainer.fit`: Lightning's own SIGTERM handling (before the first step, after
+    the last, or without StopOnSignal) ends fit with SIGTERMException, a SystemExit of status
+    0, at the end of a micro-batch; it becomes RunInterrupted, status 143, naming the last
+    checkpoint the run wrote."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     try:
@@ -266,6 +267,7 @@ def interrupted_outside_steps(trainer):
         ckpt = last_good_checkpoint(trainer)
         back = (f"the last checkpoint is {ckpt}; resume with: {resume_command(ckpt)}" if ckpt
                 else "no checkpoint was written: start it again")
-        raise RunInterrupted(f"stopped by SIGTERM outside a training step (Lightning's "
-                             f"handler; no checkpoint saved for this stop): {back}",
+        raise RunInterrupted(f"stopped by SIGTERM through Lightning's own handler (before "
+                             "the first step, after the last, or with callbacks.signals=null): "
+                             f"no checkpoint was saved for this stop; {back}",
                              signal.SIGTERM, ckpt) from err

@@ -119,6 +119,17 @@ def test_a_signal_stops_at_the_end_of_the_step_with_a_checkpoint_that_resumes_th
     assert not [w for w in recwarn if "middle of a step window" in str(w.message)]
 
 
+def test_without_the_signal_callback_sigterm_still_exits_non_zero(compose_cfg, tmp_path):
+    """Lightning's own handler ends fit with SIGTERMException, a SystemExit of status 0."""
+    cfg = _signal_run(compose_cfg, tmp_path / "plain", signal.SIGTERM, "callbacks.signals=null",
+                      "callbacks.checkpoint.every_n_train_steps=1")
+    with pytest.raises(RunInterrupted, match=r"stopped by SIGTERM through Lightning's own "
+                                             r"handler .*the last checkpoint is .*last.ckpt; "
+                                             r"resume with: run it again with ckpt_path=") as err:
+        train(cfg)
+    assert err.value.exit_code == 143
+
+
 def test_a_second_ctrl_c_stops_at_once(compose_cfg, tmp_path):
     cfg = _signal_run(compose_cfg, tmp_path / "twice", signal.SIGINT,
                       *_cb("again", f"{FAULTS}.SendSignal", batch=2, signum=int(signal.SIGINT)))
