@@ -134,11 +134,13 @@ def open_sources(data) -> None:
         check_rows(load_source(source), source)
 
 
-def read_json_exactly(path: Path, source: dict, names: list[str]) -> datasets.Dataset:
+def read_json_exactly(path: Path, source: dict) -> datasets.Dataset:
     """A json / jsonl file read line by line, with each message's content made text (parts
     joined) or refused naming its line: what datasets reads as a `Json` column cannot tell
-    the string "4" from the number 4 (sources.has_mixed_column)."""
-    cols = columns(source, names) if source.get("kind", "sft") != "cpt" else ()
+    the string "4" from the number 4 (sources.has_mixed_column), and older datasets refuse
+    a column that mixes strings and lists."""
+    first = next(_exact_rows(str(path), source, [], None), {})
+    cols = columns(source, list(first)) if source.get("kind", "sft") != "cpt" else ()
     stat = os.stat(path)  # in the cache key: a changed file is read again
     try:
         return datasets.Dataset.from_generator(

@@ -46,11 +46,15 @@ def load_source(source: dict) -> datasets.Dataset:
     path, split = str(source["path"]), source.get("split", "train")
     local = Path(path).expanduser()
     if file_format(local) is not None:
-        ds = _load_file(local, name)
-        if file_format(local) == "json" and has_mixed_column(ds.features):
+        try:
+            ds = _load_file(local, name)
+            exact = file_format(local) == "json" and has_mixed_column(ds.features)
+        except MixedTypes:
+            ds, exact = None, True
+        if exact:
             from distill.data.rows import read_json_exactly
 
-            ds = read_json_exactly(local, source, ds.column_names)
+            ds = read_json_exactly(local, source)
     elif local.is_dir():
         ds = _load_folder(local, name, split)
     elif local.exists():
@@ -100,16 +104,22 @@ def _load_file(local: Path, name: str) -> datasets.Dataset:
             _raise_encoding_error(local, name, err)
         if builder == "json":
             _raise_json_error(local, name, err)
+            raise MixedTypes(f"data source {name!r}: {local}: {err}") from err
         raise ValueError(f"data source {name!r}: {local} could not be read as {builder} "
                          f"({type(err).__name__}: {err})") from err
     return ds
+
+
+class MixedTypes(ValueError):
+    """Valid JSON whose columns mix types (strings and lists), which older datasets refuse."""
 
 
 def has_mixed_column(features) -> bool:
     """Whether datasets read a column of mixed types (strings and lists or numbers) as its
     `Json` feature, which stores the string "4" and the number 4 alike: they both come back
     as 4, and "[1]" as a list. Such a file must be read exactly (distill.data.rows)."""
-    if isinstance(features, datasets.Json):
+    json_feature = getattr(datasets, "Json", None)  # datasets >= 5; older ones refuse them
+    if json_feature is not None and isinstance(features, json_feature):
         return True
     if isinstance(features, dict):
         return any(has_mixed_column(f) for f in features.values())

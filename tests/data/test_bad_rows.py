@@ -67,6 +67,23 @@ def test_openai_content_parts_are_joined_and_an_image_part_is_refused(chatml, tm
         data(chatml, write(tmp_path / "i.jsonl", [OK, image]))
 
 
+def test_mixed_content_types_read_exactly_where_datasets_refuses_them(chatml, tmp_path,
+                                                                    monkeypatch):
+    """Older datasets (before its Json feature) refuse a column of strings and lists."""
+    import pyarrow as pa
+
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "2+2?"}]}, A]}
+    path = write(tmp_path / "old.jsonl", [OK, parts])
+
+    def refuse(*args, **kwargs):
+        raise pa.ArrowInvalid("JSON parse error: Column(/messages/[]/content) changed from "
+                              "string to array in row 1")
+
+    monkeypatch.setattr(datasets, "load_dataset", refuse)
+    [a, b] = data(chatml, path).train_set
+    assert a["input_ids"] == b["input_ids"] and trained(chatml, a) == "4<|im_end|>"
+
+
 def test_integer_content_is_refused_naming_row_and_field(chatml, tmp_path):
     rows = [OK, {"messages": [Q, {"role": "assistant", "content": 4}]}]
     with pytest.raises(DataError, match=r"data source 'd', row 2 \(line 2 of .*\): messages\[1\]"
