@@ -12,6 +12,7 @@ own signature, plus the rules below for the keys distill relies on.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ from distill.rules import (
 from distill.teachers import TeacherConfig
 
 __all__ = ["ConfigError", "RunConfig", "parse", "problems", "validate"]
+log = logging.getLogger(__name__)
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true",
               "bf16", "16", "64", 32, 16, 64, "transformer-engine",
@@ -177,6 +179,50 @@ def cross_checks(run: RunConfig) -> list[str]:
                    "and RoPE that Liger would replace; choose one (docs/benchmarks.md "
                    "measures both)")
     out += _device_checks(trainer)
+    out += _nothing_learns(run.loss)
+    return out
+
+
+# beyond these the loss's gradient vanishes (refused); beyond the softer ones it is scaled
+# far down (a warning)
+MAX_TEMPERATURE, SOFT_TEMPERATURE = 1000.0, 20.0
+MIN_BETA, SOFT_BETA = 1e-3, 0.05
+
+
+def _nothing_learns(loss) -> list[str]:
+    """Settings under which the divergence, and so the gradient, is zero in float32."""
+    out = []
+    if loss.ce_only:
+        return out
+    if loss.temperature > MAX_TEMPERATURE:
+        out.append(f"loss.temperature={loss.temperature:g}: at this temperature both softmaxes "
+                   f"are uniform to within logits / T (~{10 / loss.temperature:.0e}), below "
+                   "float32's resolution of their log-sum-exp: the divergence and its gradient "
+                   "vanish and nothing learns. Distillation uses T from 1 to about 10 (distill "
+                   f"refuses T above {MAX_TEMPERATURE:g})")
+    if loss.kind == "jsd" and 0 < loss.beta < 1 and min(loss.beta, 1 - loss.beta) < MIN_BETA:
+        near, kind = (loss.beta, "forward_kl") if loss.beta < 0.5 else (1 - loss.beta,
+                                                                        "reverse_kl")
+        out.append(f"loss.beta={loss.beta:g}: jsd is then {near:.0e} x {kind} to first order, "
+                   "so its gradient is that much smaller and nothing learns at a usual learning "
+                   f"rate; use loss.kind={kind}, or a beta in [{MIN_BETA:g}, {1 - MIN_BETA:g}]")
+    return out
+
+
+def cautions(run: RunConfig) -> list[str]:
+    """Settings that train, but far slower than one would guess: logged as warnings."""
+    loss, out = run.loss, []
+    if loss.ce_only:
+        return out
+    if SOFT_TEMPERATURE < loss.temperature <= MAX_TEMPERATURE and not loss.temperature_squared:
+        out.append(f"loss.temperature={loss.temperature:g}: the divergence's gradient scales as "
+                   f"1 / T^2 ({1 / loss.temperature**2:.0e}); set loss.temperature_squared=true "
+                   "to undo it, or expect to need a larger optimizer.lr")
+    near = min(loss.beta, 1 - loss.beta)
+    if loss.kind == "jsd" and MIN_BETA <= near < SOFT_BETA:
+        kind = "forward_kl" if loss.beta < 0.5 else "reverse_kl"
+        out.append(f"loss.beta={loss.beta:g}: jsd is then close to {near:g} x {kind}, a "
+                   "gradient that much smaller than that divergence's")
     return out
 
 
@@ -290,7 +336,10 @@ def parse(cfg) -> RunConfig:
     """The typed settings of a run; ConfigError listing every problem, before any loading."""
     found = problems(cfg)
     raise_problems(found)
-    return build(RunConfig, plain(cfg) if isinstance(cfg, DictConfig) else dict(cfg), "", [])
+    run = build(RunConfig, plain(cfg) if isinstance(cfg, DictConfig) else dict(cfg), "", [])
+    for line in cautions(run):
+        log.warning(line)
+    return run
 
 
 def validate(cfg) -> None:

@@ -19,15 +19,35 @@ from distill.data.collate import pad
 
 
 def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Read a jsonl file of `{"messages": [...], "task": ...}` examples (the first `limit`)."""
+    """Read a jsonl file of `{"messages": [...], "task": ...}` examples (the first `limit`);
+    a problem names the file and the line."""
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                examples.append(json.loads(line))
-            if limit is not None and len(examples) >= limit:
-                break
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    examples.append(_example(line, f"line {lineno} of {path}"))
+                if limit is not None and len(examples) >= limit:
+                    break
+    except UnicodeDecodeError as err:
+        raise ValueError(f"evaluate.path={path} is not UTF-8 text ({err})") from err
     return examples
+
+
+def _example(line: str, where: str) -> dict:
+    try:
+        ex = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"evaluate.path: {where} is not valid JSON (column {err.colno}: "
+                         f"{err.msg}); the task file is jsonl, one example per line") from err
+    messages = ex.get("messages") if isinstance(ex, dict) else None
+    if not (isinstance(messages, list) and messages and isinstance(messages[-1], dict)
+            and messages[-1].get("role") == "assistant"
+            and isinstance(messages[-1].get("content"), str)):
+        raise ValueError(f"evaluate.path: {where} is not a task example: it needs `messages`, "
+                         "a chat whose last turn is the assistant's reference answer (a "
+                         "string), and optionally `task`")
+    return ex
 
 
 def _prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

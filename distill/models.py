@@ -7,6 +7,7 @@ plus the head extras some families add (bias, logit scale, soft-capping).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -41,8 +42,9 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
-def missing_files(path: str, what: str) -> str | None:
-    """For a local folder: a sentence saying which files `what` needs and it lacks."""
+def missing_files(path: str, what: str, who: str = "student") -> str | None:
+    """For a local folder: a sentence saying which files `what` needs and it lacks; `who`
+    (student or teacher) names the keys that fix it."""
     folder = Path(path)
     if not folder.is_dir():
         return None
@@ -55,34 +57,112 @@ def missing_files(path: str, what: str) -> str | None:
                 "folder needs tokenizer.json (or tokenizer.model, or vocab.json + "
                 "merges.txt) and tokenizer_config.json, as tokenizer.save_pretrained writes "
                 "them, and a model folder needs config.json and model.safetensors. Point "
-                "tokenizer= (it defaults to student.name_or_path) at a folder with the "
-                "tokenizer, often the teacher's")
+                f"{who}.tokenizer= (it defaults to {who}.name_or_path) at a folder with the "
+                "tokenizer" + (", often the teacher's" if who == "student" else ""))
     if what in ("model", "config") and "config.json" not in names:
         return (f"the folder {path} has no model files (it holds {found}): a model folder "
                 "needs config.json and its weights (model.safetensors or shards), as "
                 "model.save_pretrained writes them")
     if what == "model" and not names & set(WEIGHT_FILES):
+        fix = ("or set student.from_scratch=true to start from random weights" if who ==
+               "student" else "a teacher needs its trained weights: point "
+               "teacher.name_or_path at the folder that holds them")
         return (f"the folder {path} has config.json but no weights (it holds {found}): add "
-                "model.safetensors (or its shards), or set student.from_scratch=true to "
-                "start from random weights")
+                f"model.safetensors (or its shards), {fix}")
     return None
 
 
-def check_model_folder(name_or_path: str, from_scratch: bool = False) -> None:
-    """Before anything loads: a local model folder holds what loading it will need."""
+def safetensors_problem(path: Path) -> str | None:
+    """Why a .safetensors file cannot be whole, from its header alone (None when it can):
+    a download or copy that stopped early leaves a file shorter than its header says."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or n > size - 8:
+            return f"it holds {size} bytes, too few for the header it starts with"
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return "its header is not valid JSON"
+    end = max((v["data_offsets"][1] for k, v in header.items()
+               if k != "__metadata__" and isinstance(v, dict)), default=0)
+    if 8 + n + end > size:
+        return f"it holds {size} bytes but its header describes {8 + n + end}"
+    return None
+
+
+def check_weights(path: str) -> None:
+    """The safetensors files of a local model folder are whole, and every shard its index
+    names is there: else an error naming the file (transformers' names none)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return
+    index = folder / "model.safetensors.index.json"
+    files = sorted(folder.glob("*.safetensors"))
+    if index.exists():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as err:
+            raise OSError(f"{index} is damaged ({type(err).__name__}: {err}): save or "
+                          "download the model again") from err
+        missing = [s for s in shards if not (folder / s).exists()]
+        if missing:
+            raise FileNotFoundError(f"{folder} lacks {len(missing)} of the {len(shards)} weight "
+                                    f"shards its index names ({', '.join(missing[:3])}): the "
+                                    "download or copy did not finish")
+    for file in files:
+        why = safetensors_problem(file)
+        if why:
+            raise OSError(f"the weights file {file} is damaged: {why} (truncated: a download, "
+                          "copy or save that did not finish). Download or save the model again")
+
+
+def check_model_folder(name_or_path: str, from_scratch: bool = False,
+                       who: str = "student") -> None:
+    """Before anything loads: a local model folder holds what loading it will need, whole."""
     path = resolve_path(name_or_path)
-    problem = missing_files(path, "config" if from_scratch else "model")
+    problem = missing_files(path, "config" if from_scratch else "model", who)
     if problem:
         raise FileNotFoundError(problem)
+    if not from_scratch:
+        check_weights(path)
 
 
-def load_tokenizer(name_or_path: str):
+def max_positions(name_or_path: str) -> int | None:
+    """The positions a model was built for (its config's max_position_embeddings or the
+    family's name for it); None when unknown or the config cannot be read here."""
+    try:
+        cfg = AutoConfig.from_pretrained(resolve_path(name_or_path)).get_text_config()
+    except (OSError, ValueError):
+        return None  # a hub name offline: loading it will say so
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(getattr(cfg, key, None), int):
+            return getattr(cfg, key)
+    return None
+
+
+def check_positions(longest: int, models: dict[str, str]) -> None:
+    """Refuse examples longer than a model's positions: learned position embeddings would
+    index past their table, and rotary models were never trained there (transformers only
+    warns). `models`: {"student": name_or_path, ...}."""
+    for who, name in models.items():
+        limit = max_positions(name)
+        if limit is not None and longest > limit:
+            raise ValueError(
+                f"the longest example has {longest} tokens but the {who} ({name}) has "
+                f"{limit} positions (max_position_embeddings in its config.json): lower "
+                f"data.max_length to {limit} or less (longer examples are then truncated, "
+                "and said so), or use a model built for longer inputs")
+
+
+def load_tokenizer(name_or_path: str, who: str = "student"):
     path = resolve_path(name_or_path)
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
         # transformers blames a missing sentencepiece when a folder has no tokenizer at all
-        problem = missing_files(path, "tokenizer")
+        problem = missing_files(path, "tokenizer", who)
         if problem:
             raise FileNotFoundError(problem) from err
         raise OSError(f"could not load a tokenizer from {name_or_path!r} ({err}); offline "
@@ -98,6 +178,8 @@ def load_causal_lm(name_or_path: str, dtype: str = "float32", from_scratch: bool
     """AutoModelForCausalLM from a local folder or hub name; `from_scratch` keeps only
     the config (random init), as the demo student does."""
     path = resolve_path(name_or_path)
+    if not from_scratch:
+        check_weights(path)
     torch_dtype = MODEL_DTYPES[dtype]
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:

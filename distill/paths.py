@@ -10,6 +10,7 @@ where Hydra writes, through `hydra.run.dir: ${paths.output_dir}`).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from datetime import datetime
@@ -46,33 +47,53 @@ def register_resolvers() -> None:
 class RunLock:
     """One run per output folder: an exclusive `flock` on `<dir>/.distill.lock`, held for the
     run's life. The kernel drops it when the process ends however it ends, so a killed run
-    leaves no stale lock; a second run into the folder is refused, naming the first."""
+    leaves no stale lock; a second run into the folder is refused, naming the first.
+
+    Hydra writes a run's `.hydra/` record (config, overrides) into the folder before any of
+    distill's code runs, so a refused second run has already overwritten the first's: the
+    lock file keeps a copy of the holder's record, which the refused run puts back."""
+
+    RECORD = ".hydra"
 
     def __init__(self, folder):
-        self.path = Path(folder) / ".distill.lock"
+        self.folder = Path(folder)
+        self.path = self.folder / ".distill.lock"
         self.file = None
 
     def __enter__(self):
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a+")
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             self.file.seek(0)
-            holder = self.file.read().strip() or "another process"
+            held = _holder(self.file.read())
             self.file.close()
+            self._put_back(held.get("record") or {})
             raise RuntimeError(
-                f"{self.path.parent} is the output folder of a run that is still going "
-                f"({holder}): two runs in one folder would mix their checkpoints, logs and "
-                "student. Give this run its own paths.output_dir, or wait for the other "
-                "one") from None
+                f"{self.folder} is the output folder of a run that is still going "
+                f"({held.get('holder') or 'another process'}): two runs in one folder would "
+                "mix their checkpoints, logs and student. Give this run its own "
+                "paths.output_dir, or wait for the other one") from None
+        record = {p.name: p.read_text() for p in sorted((self.folder / self.RECORD).glob("*"))
+                  if p.is_file()}
         self.file.seek(0)
         self.file.truncate()
-        self.file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        json.dump({"holder": f"pid {os.getpid()} on {socket.gethostname()}",
+                   "record": record}, self.file)
         self.file.flush()
         return self
+
+    def _put_back(self, record: dict) -> None:
+        """The holder's `.hydra/` files, over the ones this refused run's Hydra wrote."""
+        folder = self.folder / self.RECORD
+        if not folder.is_dir():
+            return
+        for name, text in record.items():
+            if not (folder / name).exists() or (folder / name).read_text() != text:
+                (folder / name).write_text(text)
 
     def __exit__(self, *exc):
         import fcntl
@@ -81,6 +102,14 @@ class RunLock:
             fcntl.flock(self.file, fcntl.LOCK_UN)
             self.file.close()
             self.file = None
+
+
+def _holder(text: str) -> dict:
+    try:
+        held = json.loads(text)
+    except ValueError:
+        return {"holder": text.strip()}  # written by an older distill
+    return held if isinstance(held, dict) else {}
 
 
 def is_launch_rank() -> bool:

@@ -69,7 +69,7 @@ def check_same_tokenizer(student_tok, teacher_tok, where: str = "the student's")
 
 def run_tokenizer(student_cfg, teacher_cfg):
     """The teacher's tokenizer, after every student tokenizer there is was compared with it."""
-    teacher = load_tokenizer(teacher_cfg.tokenizer_path)
+    teacher = load_tokenizer(teacher_cfg.tokenizer_path, who="teacher")
     named = [(student_cfg.tokenizer, "student.tokenizer's")] if student_cfg.tokenizer else []
     if has_tokenizer(student_cfg.name_or_path):
         named.append((student_cfg.name_or_path, f"the student's ({student_cfg.name_or_path})"))

@@ -1,9 +1,12 @@
 """Entry point: `python -m distill.train +experiment=sft_rkl [overrides]` (or `distill-train`).
 
 `train(cfg)` checks every setting (distill.config), then builds the run in order, so that a
-bad input stops it before the expensive parts load: the tokenizers (compared), the data
-(opened and tokenized), the teacher and the student, the module, callbacks and trainer;
-then it fits, scores and returns a summary dict. `main` is the thin @hydra.main wrapper.
+bad input stops it before the expensive parts load: the data sources (opened, first rows
+checked), the model folders (whole), the tokenizers (compared), the data (tokenized; no
+example longer than the models' positions), the callbacks and the checkpoint to resume, the
+student (the checkpoint must be its own), the teacher, the module and trainer; then it fits,
+scores and returns a summary dict. A run stopped by a signal raises RunInterrupted, which
+`main` turns into exit status 128 + the signal. `main` is the thin @hydra.main wrapper.
 Tests and the Python API call `train(cfg)` directly.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 
 import hydra
@@ -18,11 +22,15 @@ import lightning as L
 from omegaconf import DictConfig
 
 from distill import assemble
+from distill.callbacks.guard import RunInterrupted, interrupted_outside_steps
+from distill.checkpoint_io import check_resume
 from distill.config import parse
 from distill.data import DistillDataModule
+from distill.data.rows import open_sources
+from distill.data.tokenize import longest
 from distill.levers import apply_levers
 from distill.lora import load_student
-from distill.models import check_head_rows, check_model_folder
+from distill.models import check_head_rows, check_model_folder, check_positions
 from distill.module import DistillModule
 from distill.paths import RunLock, is_launch_rank, register_resolvers
 from distill.report import print_summary
@@ -40,17 +48,22 @@ def train(cfg: DictConfig, *, student=None, teacher=None) -> dict:
     L.seed_everything(run.seed, workers=True)
     lock = RunLock(run.paths["output_dir"]) if is_launch_rank() else None
     with lock or contextlib.nullcontext():
+        open_sources(run.data)  # files, formats, columns, first rows: before any model
         check_model_folder(run.student.name_or_path, run.student.from_scratch)
         if run.teacher.kind == "live":
-            check_model_folder(run.teacher.name_or_path)
+            check_model_folder(run.teacher.name_or_path, who="teacher")
         tokenizer, cross = _tokenizers(run)
         data = DistillDataModule(tokenizer, run.data, pair=cross and cross.pair)
-        data.setup("fit")  # data errors name their file and row before any model loads
+        data.setup("fit")  # every row: data errors name their file and row
+        check_positions(longest(data.train_examples, data.val_set), model_paths(run, cross))
+        callbacks = assemble.build_callbacks(cfg, run, tokenizer)
+        ckpt_path = resolve_ckpt_path(run.ckpt_path, callbacks)
+        student = student if student is not None else load_student(run.student)
+        check_resume(ckpt_path, student, run.student.name_or_path)  # before the teacher
         if teacher is None:
             teacher = build_teacher(run.teacher, run.cache and run.cache.dir,
                                     run.cache and run.cache.top_k, run.loss.temperature,
                                     run.loss.sparse_mode, cross and cross.teacher_tokenizer)
-        student = student if student is not None else load_student(run.student)
         vocab = len(tokenizer)
         check_head_rows(student, vocab, "student")
         if teacher.model is not None:
@@ -65,11 +78,10 @@ def train(cfg: DictConfig, *, student=None, teacher=None) -> dict:
             scheduler=assemble.instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
             vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
             cross=cross)
-        callbacks = assemble.build_callbacks(cfg, run, tokenizer)
         logger = assemble.loggers(cfg)
         trainer = assemble.build_trainer(cfg, callbacks, logger)
-        ckpt_path = resolve_ckpt_path(run.ckpt_path, callbacks)
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        with interrupted_outside_steps(trainer):
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
         out = assemble.finish(trainer, module, callbacks, run, time.perf_counter() - t0)
         if trainer.is_global_zero:
             print_summary(out)
@@ -87,9 +99,21 @@ def _tokenizers(run):
     return cross.student_tokenizer, cross
 
 
+def model_paths(run, cross=None) -> dict[str, str]:
+    """The models a run loads by name, whose configs bound the example length (a
+    cross-tokenizer teacher reads its own tokens, bounded by data.teacher_max_length)."""
+    live = ({"teacher": run.teacher.name_or_path}
+            if run.teacher.kind == "live" and cross is None else {})
+    return {"student": run.student.name_or_path, **live}
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    train(cfg)
+    try:
+        train(cfg)
+    except RunInterrupted as stop:  # a non-zero exit: `train && eval` must not carry on
+        print(f"\n{stop}", file=sys.stderr, flush=True)
+        sys.exit(stop.exit_code)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ runs that read it cannot disagree on what was cached. Tests call `cache_teacher_
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 
 import hydra
@@ -19,7 +20,8 @@ from distill.assemble import build_callbacks, instantiate
 from distill.cache.job import CacheJob
 from distill.config import parse
 from distill.data import DistillDataModule
-from distill.models import check_head_rows, load_causal_lm, load_tokenizer
+from distill.data.rows import open_sources
+from distill.models import check_head_rows, check_model_folder, load_causal_lm, load_tokenizer
 from distill.paths import RunLock, is_launch_rank, register_resolvers
 
 register_resolvers()
@@ -32,11 +34,20 @@ def cache_teacher_logits(cfg: DictConfig) -> dict:
                          "teacher=cached, or an experiment that sets it (+experiment="
                          "offline_fkl, +experiment=hf_offline)")
     L.seed_everything(run.seed)
+    # one caching job per cache folder, refused before anything loads
+    lock = RunLock(run.cache.dir) if is_launch_rank() else None
+    with lock or contextlib.nullcontext():
+        return _cache(cfg, run)
+
+
+def _cache(cfg: DictConfig, run) -> dict:
     c = run.cache
+    open_sources(run.data)  # data errors before the teacher loads
+    check_model_folder(run.teacher.name_or_path, who="teacher")
     if run.loss.cross_tokenizer:
         return _cross_tokenizer_cache(run)
     # the teacher's: what the cache records (training compares the student's with it)
-    tokenizer = load_tokenizer(run.teacher.tokenizer_path)
+    tokenizer = load_tokenizer(run.teacher.tokenizer_path, who="teacher")
     data = DistillDataModule(tokenizer, run.data)
     # the cache is per example, whether training packs them (data.packing) or not
     data.packing = False
@@ -54,11 +65,7 @@ def cache_teacher_logits(cfg: DictConfig) -> dict:
                  if not isinstance(cb, ModelCheckpoint)]
     trainer = instantiate(cfg.trainer, callbacks=[job.writer, *callbacks], logger=False,
                           use_distributed_sampler=False, enable_checkpointing=False)
-    lock = RunLock(c.dir) if is_launch_rank() else None
-    if lock is None:
-        return job.run(trainer, model)
-    with lock:  # one caching job per cache folder
-        return job.run(trainer, model)
+    return job.run(trainer, model)
 
 
 def _cross_tokenizer_cache(run) -> dict:
@@ -80,14 +87,13 @@ def _cross_tokenizer_cache(run) -> dict:
     if torch.cuda.is_available():
         model = model.cuda()
     written = {}
-    with RunLock(c.dir):
-        for split, ds in (("train", data.train_set), ("val", data.val_set)):
-            if ds is None or split not in c.splits:
-                continue
-            write_cache(c.dir, ds.to_list(), model, cross.teacher_tokenizer, top_k=c.top_k,
-                        temperature=c.temperature, split=split,
-                        teacher=run.teacher.name_or_path)
-            written[split] = len(ds)
+    for split, ds in (("train", data.train_set), ("val", data.val_set)):
+        if ds is None or split not in c.splits:
+            continue
+        write_cache(c.dir, ds.to_list(), model, cross.teacher_tokenizer, top_k=c.top_k,
+                    temperature=c.temperature, split=split,
+                    teacher=run.teacher.name_or_path)
+        written[split] = len(ds)
     print(f"cross-tokenizer teacher cache {c.dir}: {written}")
     return {"dir": c.dir, "examples": written}
 

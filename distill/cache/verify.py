@@ -40,10 +40,19 @@ class CacheDamaged(RuntimeError):
 
 
 def repair_hint(root: Path, meta: dict | None) -> str:
-    command = (meta or {}).get("command") or (
-        f"distill-cache <the experiment and overrides of this cache> "
-        f"cache.dir={root}")
-    return f"{command} (the caching job checks every shard and rewrites the damaged ones)"
+    """The caching job's recorded command, aimed at the cache where it is now (a moved
+    cache's command named the folder it was written in)."""
+    import shlex
+
+    recorded_command = (meta or {}).get("command")
+    if recorded_command:
+        words = [w for w in shlex.split(recorded_command)
+                 if not w.lstrip("+~").startswith("cache.dir=")]
+        command = " ".join(shlex.quote(w) for w in words)
+    else:
+        command = "distill-cache <the experiment and overrides of this cache>"
+    return (f"{command} cache.dir={shlex.quote(str(root))} (the caching job checks every "
+            "shard and rewrites the damaged ones)")
 
 
 def file_sha256(path: Path) -> str:

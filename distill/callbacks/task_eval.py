@@ -10,6 +10,7 @@ own models set `evaluate: null` (the hf_* experiments do): no demo accuracy is p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -32,6 +33,21 @@ class TaskEvalConfig:
     # note, command} each (docs/notes/demo.md)
     references: list | None = setting(None, Rule(_references, "a list of {name, overall, "
                                                  "per_task, note, command}, or null"))
+
+    def problems(self, prefix: str = "") -> list[str]:
+        """The task file is read here, before anything loads (it is small): a missing file
+        or a bad line stops the run now, not after the models loaded."""
+        from distill.evaluation import load_examples
+
+        if not Path(self.path).is_file():
+            return [f"{prefix}path={self.path!r}: no such file (a jsonl task set; "
+                    "evaluate=null scores nothing)"]
+        try:
+            if not load_examples(self.path, self.max_examples):
+                return [f"{prefix}path={self.path!r}: the file holds no example"]
+        except ValueError as err:
+            return [str(err)]
+        return []
 
 
 class TaskAccuracy(L.Callback):

@@ -95,6 +95,13 @@ class ChatEncoder:
     def plan(self, messages: list[dict]):
         """(texts to tokenize, finish(their tokens) -> examples): a batch of rows then needs
         one tokenizer call, which the fast tokenizers spread over the CPU cores."""
+        calls = next((k for k, m in enumerate(messages) if m.get("tool_calls")), None)
+        if calls is not None and "tool_calls" not in self.template:
+            raise TemplateError(f"its message {calls} (from 0) has tool_calls, but the chat "
+                                "template never renders tool calls (it does not mention "
+                                "tool_calls): they would vanish from the text the model trains "
+                                "on. Set data.chat_template= to the template of a model with "
+                                "tool support, or leave the tool turns out of the data")
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if not turns:
             return [], lambda toks: []

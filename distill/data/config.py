@@ -77,6 +77,17 @@ class DataConfig:
 
     def problems(self, prefix: str = "") -> list[str]:
         out = []
+        # examples are known by `name:row` (the teacher cache included): two sources of one
+        # split and one name would give two examples one id (a val source named like a train
+        # one gets ids of its own: DistillDataModule)
+        for split, items in (("train", self.train), ("val", self.val or [])):
+            names = [s.name or str(s.path) for s in items]
+            for dup in sorted({n for n in names if names.count(n) > 1}):
+                where = [f"{prefix}{split}[{i}]" for i, n in enumerate(names) if n == dup]
+                out.append(f"{' and '.join(where)} are both named {dup!r}: each source needs "
+                           "a name of its own (examples are identified as name:row, in the "
+                           "logs and by the teacher cache, where two sources of one name "
+                           "collide); give them distinct `name`s")
         if is_int(self.cpt_stride) and self.cpt_stride > self.max_length:
             out.append(f"{prefix}cpt_stride={self.cpt_stride}: must be between 1 and "
                        f"{prefix}max_length ({self.max_length})")

@@ -15,7 +15,7 @@ from distill.data.chat import resolve_template
 from distill.data.collate import PadCollator
 from distill.data.config import DataConfig
 from distill.data.pack import pack_dataset
-from distill.data.sources import load_source
+from distill.data.sources import load_source, source_name
 from distill.data.tokenize import tokenize_source
 from distill.data.windows import StepWindows, WindowCollate, WindowSampler
 from distill.rules import parse
@@ -78,6 +78,12 @@ class DistillDataModule(L.LightningDataModule):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.train_sources = [s.as_dict() for s in cfg.train]
         self.val_sources = [s.as_dict() for s in cfg.val or []]
+        # a val source named like a train one (`name: mine` in both): its examples get ids of
+        # their own, else the teacher cache's index of example ids would mix the two
+        taken = {source_name(s) for s in self.train_sources}
+        for s in self.val_sources:
+            if source_name(s) in taken:
+                s["ids"] = f"{source_name(s)}@val"
         self.batch_size = cfg.batch_size
         self.val_batch_size = cfg.val_batch_size or cfg.batch_size
         self.max_length, self.packing = cfg.max_length, cfg.packing

@@ -1,12 +1,28 @@
 """Raw rows -> chat conversations (lists of {role, content, ...} messages), checked.
 
 Every error names the source, the row (its line in a jsonl file) and the field, because a
-bad row in a million-row file is otherwise a needle in a haystack.
+bad row in a million-row file is otherwise a needle in a haystack. Content is text: a string,
+or a list of text parts (the OpenAI form, joined); a number, an image part or a role written
+another way (ShareGPT's human / gpt, `User`) is refused, since a template would render it
+into something no one meant, or train nothing. `open_sources` opens every source and checks
+its first rows before any model loads.
 """
 
 from __future__ import annotations
 
-from distill.data.sources import where
+import json
+import os
+from pathlib import Path
+
+import datasets
+
+from distill.data.sources import columns, load_source, open_data_file, where
+
+CHECKED_ROWS = 200  # rows per source checked before the models load (all are, when tokenized)
+ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")
+# roles other formats write, and what they are here
+ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant",
+           "chatgpt": "assistant", "prompter": "user"}
 
 
 class DataError(ValueError):
@@ -63,7 +79,99 @@ def _message(m, field: str, source: dict, idx: int) -> dict:
                 "(human -> user, gpt -> assistant)" if "from" in m and "value" in m else "")
         raise DataError(f"{where(source, idx)}: {field} has no `role` (system, user, "
                         f"assistant, ...){hint}")
-    if "content" not in m and not m.get("tool_calls"):
-        raise DataError(f"{where(source, idx)}: {field}.content is missing or null (role "
-                        f"{role!r}); give it a string (it may be empty)")
+    if role not in ROLES and (role.lower() in ROLES or role.lower() in ALIASES):
+        meant = ALIASES.get(role.lower(), role.lower())
+        raise DataError(f"{where(source, idx)}: {field}.role is {role!r}; the roles are "
+                        f"{', '.join(ROLES[:3])} (and tool, ...), lower case: write {meant!r} "
+                        "(SFT trains the 'assistant' turns, and a chat template renders only "
+                        "the roles it knows)")
+    if "content" not in m:
+        if not m.get("tool_calls"):
+            raise DataError(f"{where(source, idx)}: {field}.content is missing or null (role "
+                            f"{role!r}); give it a string (it may be empty)")
+        return m
+    return {**m, "content": _text(m["content"], f"{field}.content", source, idx)}
+
+
+def _text(content, field: str, source: dict, idx: int) -> str:
+    """A message's content as text: a string, or the OpenAI form's list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        for k, part in enumerate(content):
+            kind = part.get("type", "text")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise DataError(f"{where(source, idx)}: {field}[{k}] is a {kind!r} part "
+                                f"({sorted(part)}); distill trains on text: give text parts "
+                                "{type: text, text: ...} or a string")
+        return "".join(part["text"] for part in content)  # as the multimodal templates do
+    raise DataError(f"{where(source, idx)}: {field} must be a string (or a list of "
+                    f"{{type: text, text}} parts), got {type(content).__name__} "
+                    f"{content!r:.40}; write it as a string (\"{content!s:.20}\")")
+
+
+def check_rows(ds, source: dict, rows: int = CHECKED_ROWS) -> None:
+    """The first `rows` rows of a raw source read as this kind's conversations or texts."""
+    kind = source.get("kind", "sft")
+    cols = columns(source, ds.column_names)
+    for idx in range(min(rows, len(ds))):
+        row = ds[idx]
+        if kind == "cpt":
+            if not isinstance(row[cols[0]], str):
+                raise DataError(f"{where(source, idx)}: field {cols[0]!r} must be a string, "
+                                f"got {type(row[cols[0]]).__name__}")
+        elif kind == "prompts":
+            prompt_conversation(row, cols, source, idx)
+        else:
+            sft_conversation(row, cols, source, idx)
+
+
+def open_sources(data) -> None:
+    """Every source of `data` (a DataConfig) opened and its first rows checked: a missing
+    file, malformed JSON, a wrong column or a bad row stops the run before any model loads."""
+    for source in [*data.train, *(data.val or [])]:
+        source = source.as_dict()
+        check_rows(load_source(source), source)
+
+
+def read_json_exactly(path: Path, source: dict) -> datasets.Dataset:
+    """A json / jsonl file read line by line, with each message's content made text (parts
+    joined) or refused naming its line: what datasets reads as a `Json` column cannot tell
+    the string "4" from the number 4 (sources.has_mixed_column), and older datasets refuse
+    a column that mixes strings and lists."""
+    first = next(_exact_rows(str(path), source, [], None), {})
+    cols = columns(source, list(first)) if source.get("kind", "sft") != "cpt" else ()
+    stat = os.stat(path)  # in the cache key: a changed file is read again
+    try:
+        return datasets.Dataset.from_generator(
+            _exact_rows, gen_kwargs={"path": str(path), "source": source, "cols": list(cols),
+                                     "stamp": (stat.st_size, stat.st_mtime_ns)})
+    except Exception as err:  # datasets wraps what the generator raised
+        cause = err
+        while cause is not None and not isinstance(cause, DataError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise cause from None
+
+
+def _exact_rows(path: str, source: dict, cols: list[str], stamp):
+    with open_data_file(Path(path), text=True) as f:
+        if Path(path).suffix == ".json" and f.read(1) == "[":
+            f.seek(0)
+            rows = json.load(f)
+        else:
+            f.seek(0)
+            rows = (json.loads(line) for line in f if line.strip())
+        for idx, row in enumerate(rows):
+            for col in cols:
+                if isinstance(row.get(col), list):
+                    row[col] = [_texted(m, f"{col}[{k}]", source, idx)
+                                for k, m in enumerate(row[col])]
+            yield row
+
+
+def _texted(m, field: str, source: dict, idx: int):
+    if isinstance(m, dict) and m.get("content") is not None:
+        return {**m, "content": _text(m["content"], f"{field}.content", source, idx)}
     return m

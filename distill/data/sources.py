@@ -1,4 +1,7 @@
-"""Raw examples from Hugging Face `datasets`: local json/jsonl/parquet/text files or hub names.
+"""Raw examples from Hugging Face `datasets`: local json/jsonl/parquet/text/csv/arrow files
+(optionally compressed: `x.jsonl.gz`), folders of them or written by `save_to_disk`, or hub
+names. A problem names the source and the file, and the line where there is one (a byte
+that is not UTF-8, malformed JSON).
 
 A source is a small dict from the config: {name, kind, path, split, weight, field,
 max_examples}. Kinds (docs/data.md):
@@ -42,12 +45,27 @@ def load_source(source: dict) -> datasets.Dataset:
         raise ValueError(f"data source {name!r} has no `path` (a file, folder or hub name)")
     path, split = str(source["path"]), source.get("split", "train")
     local = Path(path).expanduser()
-    if local.suffix in FORMATS:
-        ds = _load_file(local, name)
+    if file_format(local) is not None:
+        try:
+            ds = _load_file(local, name)
+            exact = file_format(local) == "json" and has_mixed_column(ds.features)
+        except MixedTypes:
+            ds, exact = None, True
+        if exact:
+            from distill.data.rows import read_json_exactly
+
+            ds = read_json_exactly(local, source)
     elif local.is_dir():
-        ds = datasets.load_dataset(str(local), split=split)
+        ds = _load_folder(local, name, split)
+    elif local.exists():
+        what = "".join(local.suffixes) or "suffix-less"
+        raise ValueError(f"data source {name!r}: {local} is a {what} file; distill reads "
+                         f"{', '.join(sorted(FORMATS))} files, optionally compressed "
+                         f"({', '.join(COMPRESSED)})")
+    elif path.startswith((".", "/", "~")) or path.count("/") > 1:  # meant as a local path
+        raise FileNotFoundError(f"data source {name!r}: no file or folder {local}")
     else:
-        ds = datasets.load_dataset(path, source.get("config"), split=split)
+        ds = _load_hub(path, source.get("config"), split, name)
     columns(source, ds.column_names)
     if source.get("max_examples"):
         ds = ds.select(range(min(len(ds), int(source["max_examples"]))))
@@ -57,27 +75,115 @@ def load_source(source: dict) -> datasets.Dataset:
     return ds
 
 
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")  # datasets reads them by their suffix
+
+
+def file_format(path: Path) -> str | None:
+    """The datasets builder of a data file by its suffix (`x.jsonl.gz` is json)."""
+    suffix = path.suffix
+    if suffix in COMPRESSED:
+        suffix = Path(path.stem).suffix
+    return FORMATS.get(suffix)
+
+
 def _load_file(local: Path, name: str) -> datasets.Dataset:
     if not local.exists():
         raise FileNotFoundError(f"data source {name!r}: no file {local}")
-    with open(local, "rb") as f:
+    with open_data_file(local) as f:
         empty = not f.read(1 << 16).strip()
     if empty:
         raise ValueError(f"data source {name!r} ({local}) is empty: check the "
                          "path, or rebuild the demo data with scripts/make_demo_assets.py")
+    builder = file_format(local)
     try:
-        return datasets.load_dataset(FORMATS[local.suffix], data_files=str(local),
-                                     split="train")
+        ds = datasets.load_dataset(builder, data_files=str(local), split="train")
+        if builder in ("json", "text", "csv"):
+            ds.data.table.validate(full=True)  # pyarrow keeps bytes that are not UTF-8
     except Exception as err:
-        if FORMATS[local.suffix] == "json":
+        if builder in ("json", "text", "csv"):
+            _raise_encoding_error(local, name, err)
+        if builder == "json":
             _raise_json_error(local, name, err)
-        raise
+            raise MixedTypes(f"data source {name!r}: {local}: {err}") from err
+        raise ValueError(f"data source {name!r}: {local} could not be read as {builder} "
+                         f"({type(err).__name__}: {err})") from err
+    return ds
+
+
+class MixedTypes(ValueError):
+    """Valid JSON whose columns mix types (strings and lists), which older datasets refuse."""
+
+
+def has_mixed_column(features) -> bool:
+    """Whether datasets read a column of mixed types (strings and lists or numbers) as its
+    `Json` feature, which stores the string "4" and the number 4 alike: they both come back
+    as 4, and "[1]" as a list. Such a file must be read exactly (distill.data.rows)."""
+    json_feature = getattr(datasets, "Json", None)  # datasets >= 5; older ones refuse them
+    if json_feature is not None and isinstance(features, json_feature):
+        return True
+    if isinstance(features, dict):
+        return any(has_mixed_column(f) for f in features.values())
+    inner = getattr(features, "feature", None)  # List, LargeList, Sequence
+    return inner is not None and has_mixed_column(inner)
+
+
+def open_data_file(path: Path, text: bool = False):
+    """A data file, compressed or not, as bytes (or utf-8 text)."""
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(path.suffix, open)
+    return opener(path, "rt", encoding="utf-8") if text else opener(path, "rb")
+
+
+def _raise_encoding_error(path: Path, name: str, err: Exception) -> None:
+    """datasets names neither the file nor the line of a byte that is not UTF-8: find them."""
+    if path.suffix in (".zst", ".lz4"):
+        return
+    with open_data_file(path) as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                raise ValueError(f"data source {name!r}: line {lineno} of {path} is not valid "
+                                 f"UTF-8 (byte {line[bad.start:bad.start + 1]!r} at column "
+                                 f"{bad.start + 1}): save the file as UTF-8 (e.g. iconv -f "
+                                 "latin1 -t utf-8)") from err
+
+
+def _load_folder(local: Path, name: str, split: str) -> datasets.Dataset:
+    """A folder of data files, or one written by `save_to_disk` (which `load_dataset`
+    refuses, telling one to call load_from_disk: done here)."""
+    if (local / "dataset_dict.json").exists():
+        found = datasets.load_from_disk(str(local))
+        if split not in found:
+            raise ValueError(f"data source {name!r}: the saved DatasetDict {local} has no "
+                             f"split {split!r} (it has {sorted(found)}); set the source's "
+                             "`split`")
+        return found[split]
+    if (local / "dataset_info.json").exists() and (local / "state.json").exists():
+        return datasets.load_from_disk(str(local))  # one saved Dataset: its only split
+    try:
+        return datasets.load_dataset(str(local), split=split)
+    except ValueError as err:  # an unknown split: datasets lists the ones there are
+        raise ValueError(f"data source {name!r} ({local}): {err}") from err
+
+
+def _load_hub(path: str, config: str | None, split: str, name: str) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset(path, config, split=split)
+    except FileNotFoundError as err:  # DatasetNotFoundError: not on the hub, or offline
+        raise FileNotFoundError(f"data source {name!r}: {path!r} is neither a local file or "
+                                f"folder nor a data set this machine can reach on the Hugging "
+                                f"Face hub ({err})") from err
 
 
 def _raise_json_error(path: Path, name: str, err: Exception) -> None:
     """datasets' json loader names neither the line nor the problem: find them."""
-    with open(path, encoding="utf-8") as f:
-        if path.suffix == ".json" and f.read(1).lstrip() in "[{":
+    with open_data_file(path, text=True) as f:
+        inner = Path(path.stem).suffix if path.suffix in COMPRESSED else path.suffix
+        if inner == ".json" and f.read(1).lstrip() in "[{":
             f.seek(0)
             try:
                 json.load(f)
@@ -113,8 +219,8 @@ def where(source: dict, idx: int) -> str:
     """'data source 'x', row 3 (line 4 of f.jsonl)': idx is the 0-based dataset row."""
     text = f"data source {source_name(source)!r}, row {idx + 1}"
     local = Path(str(source.get("path", ""))).expanduser()
-    if local.suffix == ".jsonl" and local.is_file():
-        with open(local, encoding="utf-8") as f:  # the json loader skips blank lines
+    if ".jsonl" in local.suffixes[-2:] and local.suffix != ".zst" and local.is_file():
+        with open_data_file(local, text=True) as f:  # the json loader skips blank lines
             nonblank = (n for n, line in enumerate(f, 1) if line.strip())
             line = next((n for k, n in enumerate(nonblank) if k == idx), None)
         if line is not None:

@@ -11,7 +11,8 @@
   student writes the completion). A prompt longer than `max_length` is dropped.
 
 Nothing is cut or dropped silently: each source logs one line with the counts.
-Example ids are `name:row`, or `name:row.k` when a row gives several examples.
+Example ids are `name:row`, or `name:row.k` when a row gives several examples (a val
+source named like a train source: `name@val:row`).
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def tokenize_source(ds, source: dict, tokenizer, max_length: int, *, chat_templa
     """Map one raw source to input_ids / labels / example_id; refuse it if nothing trains.
     `num_proc` > 1 tokenizes in that many processes (datasets.map)."""
     kind, name = source.get("kind", "sft"), source_name(source)
+    known_as = source.get("ids", name)  # what example ids start with (DistillDataModule)
     chat = None if kind == "cpt" else ChatEncoder(tokenizer, chat_template, assistant_turns,
                                                   chat_template_kwargs)
     encode_row = RowEncoder(source, columns(source, ds.column_names), tokenizer, max_length,
@@ -151,7 +153,7 @@ def tokenize_source(ds, source: dict, tokenizer, max_length: int, *, chat_templa
             if drop:  # a placeholder row carries the reason to the summary
                 examples = [([], [])]
             for k, (ids, labels) in enumerate(examples):
-                eid = f"{name}:{idx}" if len(examples) == 1 else f"{name}:{idx}.{k}"
+                eid = f"{known_as}:{idx}" if len(examples) == 1 else f"{known_as}:{idx}.{k}"
                 cut = max(0, len(ids) - max_length)
                 for key, v in zip(FEATURES, (ids[:max_length], labels[:max_length], eid, k,
                                              cut, drop, need)):
@@ -161,20 +163,33 @@ def tokenize_source(ds, source: dict, tokenizer, max_length: int, *, chat_templa
     tok = ds.map(encode, with_indices=True, batched=True, remove_columns=ds.column_names,
                  features=FEATURES, num_proc=num_proc if num_proc and num_proc > 1 else None,
                  desc=f"tokenizing {name}")
-    report(tok, source, len(ds), max_length)
+    report(tok, source, len(ds), max_length, lambda: roles_of(ds, encode_row.cols))
     tok = tok.filter(lambda d: not d, input_columns="_drop", desc=f"filtering {name}")
     return tok.remove_columns(["_part", "_cut", "_drop", "_need"])
 
 
-def report(tok, source: dict, rows: int, max_length: int) -> None:
-    """One log line per source with what was cut or dropped; an error when nothing is left."""
+def roles_of(ds, cols, rows: int = 1000) -> list[str]:
+    """The roles the first rows' messages have (for the error of a source that has none
+    of the trained role)."""
+    found = set()
+    for col in cols:
+        for value in ds.select(range(min(rows, len(ds))))[col]:
+            if isinstance(value, list):
+                found |= {str(m.get("role")) for m in value if isinstance(m, dict)}
+    return sorted(found)
+
+
+def report(tok, source: dict, rows: int, max_length: int, roles=None) -> None:
+    """One log line per source with what was cut or dropped; an error when nothing is left.
+    `roles()` gives the roles found, named when no row has an assistant turn."""
     name, kind = source_name(source), source.get("kind", "sft")
     drops, cuts, parts = tok["_drop"], tok["_cut"], tok["_part"]
     count = {r: drops.count(r) for r in set(drops) - {""}}
     kept = len(drops) - sum(count.values())
     if kept == 0:
         need = min((n for n, d in zip(tok["_need"], drops) if d == "too_long"), default=0)
-        raise_empty(name, kind, rows, count, need, max_length)
+        found = roles() if roles is not None and count.get("no_assistant") else None
+        raise_empty(name, kind, rows, count, need, max_length, found)
     truncated = sum(1 for c, d in zip(cuts, drops) if c and not d)
     parts_note = ""
     if kind == "sft" and parts.count(1):
@@ -196,16 +211,17 @@ WHY = {"no_assistant": "rows without an assistant turn",
        "merged": "rows whose answer the tokenizer merges with the generation prompt"}
 
 
-def raise_empty(name, kind, rows, count, need, max_length) -> None:
+def raise_empty(name, kind, rows, count, need, max_length, roles=None) -> None:
     if count.get("too_long"):
         what = "every prompt is longer" if kind == "prompts" else "no assistant token fits"
         raise ValueError(f"data.max_length={max_length} is too short for the prompts of data "
                          f"source {name!r}: {what} (the shortest example needs max_length >= "
                          f"{need}); raise data.max_length")
     if count.get("no_assistant"):
+        found = f" (the roles found: {', '.join(roles)})" if roles else ""
         raise ValueError(f"data source {name!r} has no trainable token: none of its {rows} "
-                         "rows has an assistant turn (role 'assistant'); SFT trains the "
-                         "assistant turns; for prompts only (on-policy) set kind: prompts")
+                         f"rows has an assistant turn (role 'assistant'){found}; SFT trains "
+                         "the assistant turns; for prompts only (on-policy) set kind: prompts")
     if count.get("merged"):
         raise TemplateError(f"data source {name!r} has no trainable token: in every row the "
                             "tokenizer merges the end of the generation prompt with the start "
@@ -220,3 +236,15 @@ def raise_empty(name, kind, rows, count, need, max_length) -> None:
                             ") and the spans are found from the rendering")
     raise ValueError(f"data source {name!r} has no trainable token: its {rows} texts are "
                      "empty")
+
+
+def longest(*sets) -> int:
+    """The most tokens of one example in these tokenized sets (None ones skipped)."""
+    import pyarrow.compute as pc
+
+    out = 0
+    for ds in sets:
+        if ds is not None and len(ds):
+            lengths = pc.list_value_length(ds.data.column("input_ids"))
+            out = max(out, int(pc.max(lengths).as_py() or 0))
+    return out
