@@ -1,10 +1,12 @@
 """Lightning callbacks: the step token pre-count, throughput, export of the student, the
-head and precision checks."""
+head and precision checks, and what the logs show (learning rate, gradient norm, samples)."""
 
 from distill.callbacks.export import ExportStudent
 from distill.callbacks.head_check import HeadCheck
+from distill.callbacks.logs import FinalMetrics, QuietRun, RolloutSamples, StepLogs
 from distill.callbacks.precision_check import PrecisionCheck
 from distill.callbacks.step_tokens import StepTokenCounter
 from distill.callbacks.throughput import TokenThroughput
 
-__all__ = ["ExportStudent", "HeadCheck", "PrecisionCheck", "StepTokenCounter", "TokenThroughput"]
+__all__ = ["ExportStudent", "FinalMetrics", "HeadCheck", "PrecisionCheck", "QuietRun",
+           "RolloutSamples", "StepLogs", "StepTokenCounter", "TokenThroughput"]
