@@ -102,3 +102,35 @@ def test_a_gpu_preset_without_a_gpu_is_refused_before_anything_loads(preset, com
     with pytest.raises(ConfigError, match=r"trainer\.accelerator=gpu: this machine has no CUDA "
                                           r"GPU; use trainer=cpu \(or trainer\.accelerator=auto"):
         train(cfg)
+
+
+def _package_cfg(*overrides):
+    """The package's own config (the demo's defaults, no test swaps)."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("distill.conf", version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("experiment, demo", [("hf_sft", False), ("hf_offline", False),
+                                              ("hf_onpolicy", False), ("onpolicy_demo", True),
+                                              ("sft_rkl", True)])
+def test_the_demo_evaluation_runs_on_the_demo_only(experiment, demo, tiny_assets):
+    from distill.assemble import build_callbacks
+    from distill.callbacks.task_eval import TaskAccuracy
+    from distill.models import load_tokenizer
+
+    cfg = _package_cfg(f"+experiment={experiment}", *_models(tiny_assets))
+    run = parse(cfg)
+    callbacks = build_callbacks(cfg, run, load_tokenizer(str(tiny_assets["teacher"])))
+    assert any(isinstance(cb, TaskAccuracy) for cb in callbacks) == demo
+    assert (run.evaluate is not None) == demo
+
+
+def test_a_run_on_ones_own_models_prints_no_demo_accuracy(compose_cfg, tiny_assets, capsys):
+    summary = train(compose_cfg("+experiment=hf_sft", *_models(tiny_assets),
+                                "trainer.max_steps=1", "data.val=null"))
+    printed = capsys.readouterr().out
+    assert summary["accuracy"] == {} and summary["references"] == []
+    assert "distill: run summary" in printed and "demo-task" not in printed
+    assert "recorded references" not in printed

@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader
 from distill.data.chat import resolve_template
 from distill.data.collate import PadCollator
 from distill.data.config import DataConfig
+from distill.data.memory import load_source  # files, folders, hub names, or in memory
 from distill.data.pack import pack_dataset
-from distill.data.sources import load_source
 from distill.data.tokenize import tokenize_source
 from distill.data.windows import StepWindows, WindowCollate, WindowSampler
 from distill.rules import parse
