@@ -9,6 +9,8 @@ One version per output folder (`version: 0` in the presets): a resumed run (the 
 CSVLogger deletes an existing metrics.csv; `CSVLogger` here keeps the rows of the steps
 before the first one the run logs (a resume from step 500 keeps steps 0-499 and rewrites
 any later ones a killed run had logged), as TensorBoard drops out-of-order steps.
+`WandbLogger` here keeps one W&B run id per output folder (`wandb/distill_run_id`) and
+resumes that run.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
-from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
@@ -140,6 +143,38 @@ class CSVLogger(LightningCSVLogger):
             self.save()
 
 
+class WandbLogger(LightningWandbLogger):
+    """Lightning's WandbLogger whose run id, unless one is given, belongs to the output
+    folder: drawn once, kept in `<save_dir>/wandb/distill_run_id`, and resumed
+    (`resume="allow"`) by a run resumed into the folder."""
+
+    def __init__(self, *args, save_dir: str | Path = ".", id: str | None = None,
+                 version: str | None = None, **kwargs):
+        if id is None and version is None:
+            id = folder_run_id(Path(save_dir))
+            kwargs.setdefault("resume", "allow")
+        super().__init__(*args, save_dir=save_dir, id=id, version=version, **kwargs)
+
+
+def folder_run_id(save_dir: Path) -> str:
+    """The folder's W&B run id; the first process to ask draws it (every rank of a DDP
+    launch builds its loggers: one id wins, atomically, and all read it)."""
+    import secrets
+
+    path = save_dir / "wandb" / "distill_run_id"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(secrets.token_hex(8) + "\n")
+        try:
+            os.link(tmp, path)  # fails if another process was first: keep its id
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    return path.read_text().strip()
+
+
 def build_loggers(node) -> list[Logger] | bool:
     """The configured loggers, or False (Lightning's "no logger") when there are none."""
     silence_known_noise()  # the tips come when the Trainer is built, right after this
@@ -164,7 +199,7 @@ def _build(name: str, node) -> Logger:
 
 def close_loggers(loggers) -> None:
     """End a W&B run: the next run in this process (a multirun job) would reuse it otherwise."""
-    if any(isinstance(lg, WandbLogger) for lg in loggers or []):
+    if any(isinstance(lg, LightningWandbLogger) for lg in loggers or []):
         import wandb
 
         wandb.finish()

@@ -236,3 +236,18 @@ def test_a_student_module_in_eval_mode_still_warns(compose_cfg, tmp_path):
                           "+callbacks.eval_layer._target_=tests.test_logs.EvalStudentLayer",
                           out=tmp_path / "a"))
     assert any("module(s) in eval mode" in str(w.message) for w in seen)
+
+
+def test_a_resumed_run_continues_its_wandb_run(compose_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    common = ["+experiment=sft_fkl", "logger=wandb"]
+    train(compose_cfg(*common, "trainer.max_steps=2", out=out))
+    train(compose_cfg(*common, "trainer.max_steps=3", "ckpt_path=last", out=out))
+    run_id = (out / "wandb/distill_run_id").read_text().strip()
+    runs = sorted(p.name for p in out.glob("wandb/offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs), runs
+    other = tmp_path / "other"
+    train(compose_cfg(*common, "trainer.max_steps=1", out=other))
+    assert (other / "wandb/distill_run_id").read_text().strip() != run_id
