@@ -104,6 +104,11 @@ def disable_dropout(model) -> None:
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
+        # Llama, Qwen, Mistral, ...: the attention layer keeps its rate as a float, read from
+        # the config when it was built, and hands it to the attention kernel in train mode
+        for key in ("attention_dropout", "attn_dropout", "dropout"):
+            if isinstance(getattr(m, key, None), float):
+                setattr(m, key, 0.0)
     for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop",
                 "attn_pdrop", "summary_first_dropout"):
         if isinstance(getattr(model.config, key, None), float):

@@ -42,6 +42,10 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("distill_output_dir"):
         # cached: every `${paths.output_dir}` of one config names the same folder
         OmegaConf.register_new_resolver("distill_output_dir", hydra_output_dir, use_cache=True)
+    if not OmegaConf.has_resolver("distill_precision"):  # trainer=auto
+        from distill.devices import auto_precision
+
+        OmegaConf.register_new_resolver("distill_precision", auto_precision)
 
 
 class RunLock:

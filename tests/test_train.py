@@ -15,7 +15,7 @@ from distill.train import train
 from tests.fixtures import student_from, teacher_from
 
 EXPERIMENTS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf/experiment").glob("*.yaml"))
-LIVE = [e for e in EXPERIMENTS if not e.startswith("offline")]
+LIVE = [e for e in EXPERIMENTS if "offline" not in e]  # a cached teacher needs its cache
 
 
 def _train_losses(out: Path) -> list[float]:

@@ -45,7 +45,8 @@ class TeacherCache:
         meta = read_metadata(self.root)
         if meta is None:
             raise FileNotFoundError(f"no teacher cache at {self.root} (no metadata.json): "
-                                    "write it first with scripts/cache_teacher_logits.py")
+                                    "write it first with distill-cache and the same overrides as "
+                                    "this run (python -m distill.cache.run)")
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise CacheMismatch("format", (meta.get("format"), meta.get("version")),
                                 (FORMAT, VERSION), str(self.root), REBUILD)

@@ -8,10 +8,15 @@ when complete, so a kill or a full disk never leaves a half-written student wher
 was. A folder already there (an earlier run's export in a reused output dir, or a resumed
 run's) is never overwritten: it is renamed to `student.<its date_time>` first, with a log
 line. Nothing non-finite is exported: a student with a NaN or infinite weight is refused.
+
+Beside the weights goes a `README.md` model card (distill.publish: teacher, student base,
+data, loss and normalization, final metrics, the command); `push_to_hub=<repo>` then
+uploads the folder to the Hugging Face Hub.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -21,18 +26,23 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from distill.publish import push_to_hub, write_card
 from distill.rules import boolean, text
 
 log = logging.getLogger(__name__)
 
 
 class ExportStudent(L.Callback):
-    SETTINGS = {"merge": boolean(), "dirpath": text()}  # checked before anything loads
+    # checked before anything loads
+    SETTINGS = {"merge": boolean(), "dirpath": text(), "push_to_hub": text(null=True)}
 
-    def __init__(self, dirpath: str, tokenizer=None, merge: bool = False):
+    def __init__(self, dirpath: str, tokenizer=None, merge: bool = False,
+                 push_to_hub: str | None = None):
         self.dirpath = Path(dirpath)
         self.tokenizer = tokenizer
         self.merge = merge  # LoRA students: save the merged model rather than the adapter
+        self.push_to_hub = push_to_hub  # a Hub repo id ("me/my-student"): upload the export
+        self.command: str | None = None  # for the card; None: the Hydra command line if any
         self.saved_to: Path | None = None
 
     def on_train_end(self, trainer, pl_module):
@@ -51,22 +61,76 @@ class ExportStudent(L.Callback):
                 save_student(pl_module.student, student, tmp, self.merge)
                 if self.tokenizer is not None:
                     self.tokenizer.save_pretrained(tmp)
+                write_card(tmp, {**run_info(trainer, pl_module, self.merge),
+                                 "command": self.command or hydra_command("distill-train")})
                 move_aside(self.dirpath)
                 os.replace(tmp, self.dirpath)  # the whole folder appears at once
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         trainer.strategy.barrier("export")  # the other ranks may read the folder next
         self.saved_to = self.dirpath
+        if self.push_to_hub and trainer.is_global_zero:
+            upload(self.dirpath, self.push_to_hub)
 
 
-def check_finite(state: dict, what: str) -> None:
+def upload(folder: Path, repo: str) -> None:
+    """Push the export; a failure keeps the saved folder and says how to retry."""
+    try:
+        push_to_hub(folder, repo)
+    except Exception as err:  # network, token, permissions: all worth the same sentence
+        raise RuntimeError(f"the student is saved in {folder}, but pushing it to the Hub repo "
+                           f"{repo!r} failed ({type(err).__name__}: {err}); retry with "
+                           f"`huggingface-cli upload {repo} {folder}`") from err
+
+
+def run_info(trainer, pl_module, merge: bool) -> dict:
+    """What the model card says about this run, read from the trained objects."""
+    from distill.lora import ADAPTER, is_lora
+
+    student, teacher = pl_module.student, getattr(pl_module, "teacher", None)
+    info = {"student": getattr(student, "name_or_path", None) or None,
+            "teacher": getattr(teacher, "name", None),
+            "teacher_kind": "live" if getattr(teacher, "model", None) is not None else "cached",
+            "steps": getattr(trainer, "global_step", None),
+            "metrics": {k: float(v) for k, v in getattr(trainer, "callback_metrics", {}).items()
+                        if (torch.is_tensor(v) and v.numel() == 1) or isinstance(v, float)}}
+    if is_lora(student):
+        peft = student.peft_config[ADAPTER]
+        targets = peft.target_modules
+        info["student"] = peft.base_model_name_or_path
+        info["lora"] = {"r": peft.r, "alpha": peft.lora_alpha, "merged": merge,
+                        "target_modules": sorted(targets) if isinstance(targets, set)
+                        else targets}
+    cfg = getattr(pl_module, "cfg", None)
+    if dataclasses.is_dataclass(cfg):
+        info["loss"] = dataclasses.asdict(cfg)
+    data = getattr(trainer, "datamodule", None)
+    info["data"] = {"train": getattr(data, "train_sources", None),
+                    "val": getattr(data, "val_sources", None)}
+    return info
+
+
+def hydra_command(app: str) -> str | None:
+    """`<app> <this job's overrides>` when Hydra launched the run, else None."""
+    import shlex
+
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return " ".join([app, *(shlex.quote(o) for o in HydraConfig.get().overrides.task)])
+
+
+DIVERGED = "The run diverged; resume from an earlier checkpoint with a lower optimizer.lr"
+
+
+def check_finite(state: dict, what: str, hint: str = DIVERGED) -> None:
     """Refuse to export weights that hold NaN or inf: nothing non-finite leaves a run."""
     bad = [k for k, v in state.items()
            if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
         raise ValueError(f"{what} has non-finite weights ({len(bad)} tensors, e.g. {bad[:3]}): "
-                         "not exported. The run diverged; resume from an earlier checkpoint "
-                         "with a lower optimizer.lr")
+                         f"not exported. {hint}")
 
 
 def save_student(model, state: dict, dirpath: Path, merge: bool) -> None:

@@ -21,7 +21,6 @@ Both decide on every rank alike: each rank's finding is summed over the ranks
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import shlex
 import signal
@@ -31,9 +30,9 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
+from distill.callbacks.logs import grad_norm  # the one the logs show
 from distill.rules import boolean, integer
 
 
@@ -75,22 +74,6 @@ def resume_command(ckpt: Path) -> str:
     return " ".join(["python -m distill.train", *map(shlex.quote, kept), out, ckpt_arg])
 
 
-def grad_norm(trainer, pl_module) -> torch.Tensor | None:
-    """The 2-norm of every gradient of the step (all shards under FSDP)."""
-    if isinstance(trainer.strategy, FSDPStrategy):
-        # the gradients are sharded: only the wrapped root takes their global norm (a max_norm
-        # of inf scales them by 1)
-        return trainer.strategy.model.clip_grad_norm_(math.inf)
-    grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-    if not grads:
-        return None
-    total = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
-    if total is not None:
-        return total(grads, norm_type=2.0)
-    return torch.linalg.vector_norm(torch.stack(
-        [torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]))
-
-
 class DivergenceGuard(L.Callback):
     """Stop (or, with patience > 1, skip) an optimizer step whose loss or gradient norm is
     not finite; see the module docstring."""
@@ -109,7 +92,8 @@ class DivergenceGuard(L.Callback):
         loss = window[0].detach().float() if window is not None else None
         # a GradScaler (16-mixed) finds inf gradients on purpose and skips those steps itself
         scaled = getattr(trainer.precision_plugin, "scaler", None) is not None
-        norm = grad_norm(trainer, pl_module) if self.check_grad_norm and not scaled else None
+        check = self.check_grad_norm and not scaled
+        norm = grad_norm(optimizer, trainer.strategy) if check else None
         if loss is None and norm is None:
             return
         device = (loss if loss is not None else norm).device

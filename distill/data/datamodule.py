@@ -15,7 +15,7 @@ from distill.data.chat import resolve_template
 from distill.data.collate import PadCollator
 from distill.data.config import DataConfig
 from distill.data.pack import pack_dataset
-from distill.data.sources import load_source, source_name
+from distill.data.sources import load_source, source_name  # files, folders, hubs, memory
 from distill.data.tokenize import tokenize_source
 from distill.data.windows import StepWindows, WindowCollate, WindowSampler
 from distill.rules import parse

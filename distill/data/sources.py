@@ -44,6 +44,10 @@ def load_source(source: dict) -> datasets.Dataset:
     if "path" not in source:
         raise ValueError(f"data source {name!r} has no `path` (a file, folder or hub name)")
     path, split = str(source["path"]), source.get("split", "train")
+    if path.startswith("memory://"):  # a data set distill.fit holds in memory
+        from distill.data.memory import load_held
+
+        return load_held(source)
     local = Path(path).expanduser()
     if file_format(local) is not None:
         try:
