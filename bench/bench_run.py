@@ -219,7 +219,7 @@ def main(argv=None) -> int:
         packing, cached = VARIANTS[name]
         args.onpolicy = name == "onpolicy"
         if cached and not (root / "cache" / "metadata.json").exists():
-            cmd = [sys.executable, "-m", "distill.cache.run",
+            cmd = [sys.executable, "-m", "distill.caching",
                    *overrides(args, root, packing, cached), f"paths.output_dir={root / 'c'}"]
             rc = run_cmd(cmd, args.out / "cache_job.log", args.timeout)
             if rc:

@@ -35,8 +35,7 @@ class DistillModule(L.LightningModule):
         self.save_hyperparameters({"loss": dataclasses.asdict(self.cfg), "vocab_size": vocab_size})
         self.student, self.teacher, self.vocab_size = student, teacher, vocab_size
         # cross: a teacher with its own tokenizer (a distill.xtok CrossSetup)
-        self.objective = Objective(self.cfg, teacher, vocab_size,
-                                   cross.vocab_map if cross is not None else None)
+        self.objective = Objective(self.cfg, teacher, vocab_size, cross)
         op = self.cfg.on_policy
         if onpolicy is None and op.samples:
             onpolicy = OnPolicyStep(op, student, getattr(teacher, "model", None),

@@ -61,15 +61,16 @@ class LossConfig(DivergenceSpec):
 
 class Objective:
     """The loss of a micro-batch (see the module docstring) and the validation sums.
-    `vocab_map` (a cross-tokenizer run): the divergence is taken on the aligned spans."""
+    `cross` (a cross-tokenizer run's distill.xtok CrossSetup): the divergence is taken on
+    the aligned spans."""
 
-    def __init__(self, cfg: LossConfig, teacher, vocab_size: int | None, vocab_map=None):
+    def __init__(self, cfg: LossConfig, teacher, vocab_size: int | None, cross=None):
         self.cfg, self.spec, self.teacher, self.vocab = cfg, cfg.spec(), teacher, vocab_size
         self.options = dict(chunk_size=cfg.chunk_size, fp32_weight_grad=cfg.fp32_weight_grad)
-        self.vocab_map = vocab_map
-        if cfg.cross_tokenizer and vocab_map is None and cfg.cross_tokenizer == "hybrid":
-            raise ValueError("loss.cross_tokenizer=hybrid needs the vocabulary map of the two "
-                             "tokenizers (distill.xtok.VocabMap.build)")
+        self.cross = cross
+        if cfg.cross_tokenizer and cross is None:
+            raise ValueError(f"loss.cross_tokenizer={cfg.cross_tokenizer} needs the pairing of "
+                             "the two tokenizers (distill.xtok.setup.cross_setup)")
 
     def _divergence(self, hs, weight, head, labels, weights, targets, ce_rows):
         """linear_divergence, or its cross-tokenizer counterpart on the aligned spans."""
@@ -78,23 +79,8 @@ class Objective:
                 hs, weight, labels=labels, weights=weights, spec=self.spec, student_head=head,
                 vocab_size=self.vocab, ce_weight=ce_rows if ce_rows is not None else 0.0,
                 backend=self.cfg.backend, return_components=True, **targets, **self.options)
-        from distill.xtok.loss import cross_tokenizer_divergence
-
-        s, cfg = self.spec, self.cfg
-        # per-row CE weights (the student's own samples get none): the CE apart, on its rows
-        loss, parts = cross_tokenizer_divergence(
-            hs, weight, labels=labels, weights=weights, mode=cfg.cross_tokenizer,
-            vocab_map=self.vocab_map, kind=s.kind, beta=s.beta, temperature=s.temperature,
-            ce_weight=s.ce_weight if ce_rows is None else 0.0,
-            temperature_squared=s.temperature_squared, divergence_weight=s.divergence_weight,
-            uld_weight=cfg.uld_weight, student_vocab_size=self.vocab, student_head=head,
-            chunk_size=cfg.chunk_size, return_components=True, **targets)
-        if ce_rows is not None:
-            ce = linear_cross_entropy(hs, weight, labels, weights=weights * ce_rows, head=head,
-                                      vocab_size=self.vocab, chunk_size=cfg.chunk_size)
-            loss = loss + ce
-            parts = {**parts, "ce": ce.detach() / s.ce_weight}
-        return loss, {"divergence": parts["divergence"], "ce": parts["ce"]}
+        return self.cross.divergence(self.cfg, self.vocab, hs, weight, head, labels, weights,
+                                     targets, ce_rows)
 
     def _student(self, student, batch):
         hidden = final_hidden_states(student, batch["input_ids"], batch.get("attention_mask"),

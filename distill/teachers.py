@@ -161,15 +161,8 @@ class TargetsCollate:
 
 
 def build_teacher(cfg: TeacherConfig, cache_dir: str | None, top_k: int | None,
-                  temperature: float, sparse_mode: str, cross_tokenizer=None):
-    """The run's teacher; `cross_tokenizer`: the teacher's own tokenizer when it is not the
-    student's (distill.xtok: it runs on its own tokens of each example)."""
-    if cross_tokenizer is not None:
-        from distill.xtok.teachers import CachedCrossTeacher, LiveCrossTeacher
-
-        if cfg.kind == "live":
-            return LiveCrossTeacher(LiveTeacher.load(cfg), cross_tokenizer)
-        return CachedCrossTeacher(cache_dir, cross_tokenizer, top_k, temperature)
+                  temperature: float, sparse_mode: str) -> LiveTeacher | CachedTeacher:
+    """The run's teacher (one with its own tokenizer: distill.xtok.setup.CrossSetup.teacher)."""
     if cfg.kind == "live":
         return LiveTeacher.load(cfg)
     return CachedTeacher(cache_dir, cfg.name_or_path, top_k, temperature, sparse_mode)

@@ -26,7 +26,7 @@ from distill.callbacks.guard import RunInterrupted, interrupted_outside_steps
 from distill.checkpoint_io import check_resume
 from distill.config import parse
 from distill.data import DistillDataModule
-from distill.data.rows import open_sources
+from distill.data.sources import open_sources
 from distill.data.tokenize import longest
 from distill.levers import apply_levers
 from distill.lora import load_student
@@ -53,17 +53,19 @@ def train(cfg: DictConfig, *, student=None, teacher=None) -> dict:
         if run.teacher.kind == "live":
             check_model_folder(run.teacher.name_or_path, who="teacher")
         tokenizer, cross = _tokenizers(run)
-        data = DistillDataModule(tokenizer, run.data, pair=cross and cross.pair)
+        data = DistillDataModule(tokenizer, run.data, cross=cross)
         data.setup("fit")  # every row: data errors name their file and row
         check_positions(longest(data.train_examples, data.val_set), model_paths(run, cross))
         callbacks = assemble.build_callbacks(cfg, run, tokenizer)
         ckpt_path = resolve_ckpt_path(run.ckpt_path, callbacks)
         student = student if student is not None else load_student(run.student)
         check_resume(ckpt_path, student, run.student.name_or_path)  # before the teacher
-        if teacher is None:
+        if teacher is None and cross is not None:
+            teacher = cross.teacher(run)  # on its own tokens
+        elif teacher is None:
             teacher = build_teacher(run.teacher, run.cache and run.cache.dir,
                                     run.cache and run.cache.top_k, run.loss.temperature,
-                                    run.loss.sparse_mode, cross and cross.teacher_tokenizer)
+                                    run.loss.sparse_mode)
         vocab = len(tokenizer)
         check_head_rows(student, vocab, "student")
         if teacher.model is not None:

@@ -120,3 +120,14 @@ def student_from(cfg):
     from distill.rules import parse
 
     return load_student(parse(StudentConfig, plain(cfg.student), "student."))
+
+
+def child_env(**extra: str) -> dict:
+    """The environment of a test's child process (torchrun, a CLI run): this checkout first
+    on the path, then the PYTHONPATH the tests run under (`make test-oldest` puts the oldest
+    Lightning there), one thread per process."""
+    import os
+
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}

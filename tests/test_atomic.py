@@ -5,7 +5,6 @@ SIGKILL in the middle of a save or a full disk never loses the previous good `la
 from __future__ import annotations
 
 import errno
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import torch
 
 import distill.checkpoint_io as cio
 from distill.train import train
+from tests.fixtures import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERY_2 = "callbacks.checkpoint.every_n_train_steps=2"
@@ -59,7 +59,7 @@ def test_a_sigkill_in_the_middle_of_a_save_keeps_the_previous_checkpoint(
            f"paths.data={tiny_assets['sft_train'].parent}", "evaluate=null",
            "data.batch_size=4", "trainer.max_steps=100", EVERY_2,
            "callbacks.progress.refresh_rate=0"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     try:

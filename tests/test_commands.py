@@ -5,7 +5,6 @@ else the same function through this interpreter)."""
 from __future__ import annotations
 
 import importlib
-import os
 import re
 import shutil
 import subprocess
@@ -14,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
-WANT = {"distill-train": "distill.train:main", "distill-cache": "distill.cache.run:main",
+WANT = {"distill-train": "distill.train:main", "distill-cache": "distill.caching:main",
         "distill-export": "distill.export:main"}
 
 
@@ -37,7 +38,7 @@ def command(name: str) -> list[str]:
 
 def run(name: str, *args: str, cwd=ROOT) -> subprocess.CompletedProcess:
     # this checkout first, whichever install the command on the PATH came from
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     return subprocess.run([*command(name), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 

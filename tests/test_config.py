@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from distill.cache.run import cache_teacher_logits
+from distill.caching import cache_teacher_logits
 from distill.config import ConfigError, problems, validate
 from distill.train import train
 

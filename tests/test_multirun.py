@@ -2,7 +2,6 @@
 folder that never loses an earlier export."""
 
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from distill.callbacks.export import ExportStudent
 from distill.models import load_causal_lm
 from distill.paths import hydra_output_dir
+from tests.fixtures import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def _tiny_overrides(tiny_assets) -> list[str]:
 
 def test_multirun_gives_each_job_its_folder_and_student(tiny_assets, tmp_path):
     sweep = tmp_path / "sweep"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     cmd = [sys.executable, "-m", "distill.train", "-m", "+experiment=sft_rkl",
            "loss.kind=forward_kl,reverse_kl", f"hydra.sweep.dir={sweep}",
            *_tiny_overrides(tiny_assets)]

@@ -14,6 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from tests.fixtures import child_env
 from tests.readme import bash_commands, python_blocks, swapped
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +100,7 @@ def test_readme_command_runs_as_written(command, tiny_assets, swap, workdir, mon
     elif "-m" in args:
         _sweep(args, tiny_assets, tmp_path)
     elif name == "distill-cache":
-        from distill.cache.run import cache_teacher_logits
+        from distill.caching import cache_teacher_logits
 
         cfg = _compose([*_tiny(tiny_assets), *args])
         cache_teacher_logits(cfg)
@@ -109,7 +110,7 @@ def test_readme_command_runs_as_written(command, tiny_assets, swap, workdir, mon
 
 
 def _train(args, tiny_assets, workdir, tmp_path):
-    from distill.cache.run import cache_teacher_logits
+    from distill.caching import cache_teacher_logits
     from distill.train import train
 
     if "WANDB_MODE" in os.environ:
@@ -131,7 +132,7 @@ def _train(args, tiny_assets, workdir, tmp_path):
 
 def _sweep(args, tiny_assets, tmp_path):
     sweep = tmp_path / "sweep"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     cmd = [sys.executable, "-m", "distill.train", *args, *_tiny(tiny_assets), *SHORT,
            f"hydra.sweep.dir={sweep}"]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,

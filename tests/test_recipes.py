@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import distill.teachers
-from distill.cache.run import cache_teacher_logits
+from distill.caching import cache_teacher_logits
 from distill.config import ConfigError, parse
 from distill.train import train
 

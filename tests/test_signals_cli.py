@@ -4,7 +4,6 @@ prints the resume command, and that command, run as printed, resumes the run."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import signal
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from tests.faults import windows_state
+from tests.fixtures import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def _command(tiny_assets, out: Path, marker: Path) -> list[str]:
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+    return {**child_env(),
             "HYDRA_FULL_ERROR": "1"}
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import distill.models
-from distill.cache.run import cache_teacher_logits
+from distill.caching import cache_teacher_logits
 from distill.checkpoint_io import check_finite
 from distill.data.rows import DataError
 from distill.models import load_tokenizer

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from distill.data.sources import KINDS
+from distill.data.files import KINDS
 from distill.rules import (
     Rule,
     boolean,

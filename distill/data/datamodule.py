@@ -14,24 +14,21 @@ from torch.utils.data import DataLoader
 from distill.data.chat import resolve_template
 from distill.data.collate import PadCollator
 from distill.data.config import DataConfig
+from distill.data.files import source_name
 from distill.data.pack import pack_dataset
-from distill.data.sources import load_source, source_name  # files, folders, hubs, memory
+from distill.data.sources import load_source  # files, folders, hub names, memory
 from distill.data.tokenize import tokenize_source
 from distill.data.windows import StepWindows, WindowCollate, WindowSampler
 from distill.rules import parse
 
 
 def build_dataset(sources, tokenizer, max_length: int, seed: int, mix: bool = True,
-                  stopping_strategy: str = "first_exhausted", pair=None, **options):
+                  stopping_strategy: str = "first_exhausted", cross=None, **options):
     """Tokenized sources, mixed by weight (or concatenated). `options`: chat_template,
     assistant_turns, cpt_stride, chat_template_kwargs, num_proc (distill.data.tokenize).
-    With `pair` (a distill.xtok PairEncoder) each row is tokenized for both models."""
-    if pair is not None:
-        from distill.xtok.data import tokenize_pair_source
-
-        parts = [tokenize_pair_source(load_source(s), s, pair, max_length,
-                                      options.get("teacher_max_length"),
-                                      options.get("cpt_stride"), options.get("num_proc"))
+    With `cross` (a distill.xtok CrossSetup) each row is tokenized for both models."""
+    if cross is not None:
+        parts = [cross.tokenize_source(load_source(s), s, max_length, **options)
                  for s in sources]
     else:
         options.pop("teacher_max_length", None)
@@ -64,9 +61,9 @@ def check_packing_support() -> None:
 
 class DistillDataModule(L.LightningDataModule):
     """Built from a `DataConfig` (`data:` of the config), or its settings as keywords.
-    `pair`: a distill.xtok PairEncoder (cross-tokenizer runs: the teacher's tokens too)."""
+    `cross`: a distill.xtok CrossSetup (cross-tokenizer runs: the teacher's tokens too)."""
 
-    def __init__(self, tokenizer, config: DataConfig | None = None, pair=None, **settings):
+    def __init__(self, tokenizer, config: DataConfig | None = None, cross=None, **settings):
         super().__init__()
         cfg = config if config is not None else parse(DataConfig, settings, "data.")
         if config is not None and settings:
@@ -93,17 +90,13 @@ class DistillDataModule(L.LightningDataModule):
                         "num_proc": cfg.num_proc}
         if cfg.packing:
             check_packing_support()
-        self.pair = pair
+        self.cross = cross
         # packed rows are padded to max_length: one shape, which compiled kernels
         # (flex_attention, torch.compile) see once instead of once per batch
         multiple = cfg.max_length if cfg.packing else cfg.pad_to_multiple_of
         self.collate = PadCollator(tokenizer.pad_token_id, multiple)
-        if pair is not None:
-            from distill.xtok.collate import PairCollator
-
-            teacher = pair.teacher.tokenizer
-            self.collate = PairCollator(tokenizer.pad_token_id, teacher.pad_token_id,
-                                        cfg.pad_to_multiple_of)
+        if cross is not None:  # both models' tokens, each padded with its own pad id
+            self.collate = cross.collate
             self.options["teacher_max_length"] = cfg.teacher_max_length
         self.train_set = self.val_set = self.train_examples = None
 
@@ -113,13 +106,13 @@ class DistillDataModule(L.LightningDataModule):
             self.train_examples = build_dataset(self.train_sources, self.tokenizer,
                                                 self.max_length, self.cfg.seed,
                                                 stopping_strategy=self.cfg.mix_stopping,
-                                                pair=self.pair, **self.options)
+                                                cross=self.cross, **self.options)
             self.train_set = self.train_examples
             if self.packing:  # validation stays one example per row
                 self.train_set = pack_dataset(self.train_examples, self.max_length)
         if self.val_set is None and self.val_sources:
             self.val_set = build_dataset(self.val_sources, self.tokenizer, self.max_length,
-                                         self.cfg.seed, mix=False, pair=self.pair,
+                                         self.cfg.seed, mix=False, cross=self.cross,
                                          **self.options)
 
     def train_dataloader(self) -> StepWindows:

@@ -13,7 +13,7 @@ import itertools
 
 import datasets
 
-from distill.data import sources
+from distill.data.files import columns, source_name
 
 PREFIX = "memory://"
 _HELD: dict[str, datasets.Dataset] = {}
@@ -60,12 +60,12 @@ def columns_of(path: str) -> list[str]:
 def load_held(source: dict) -> datasets.Dataset:
     """An in-memory source (`path: memory://...`); `sources.load_source` reads these here."""
     path = str(source["path"])
-    name = sources.source_name(source)
+    name = source_name(source)
     if path not in _HELD:
         raise ValueError(f"data source {name!r}: the in-memory data set {path} is no longer "
                          "held (distill.data.memory.register holds one for a run)")
     ds = _HELD[path]
-    sources.columns(source, ds.column_names)
+    columns(source, ds.column_names)
     if source.get("max_examples"):
         ds = ds.select(range(min(len(ds), int(source["max_examples"]))))
     if len(ds) == 0:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import datasets
 
-from distill.data.sources import columns, load_source, open_data_file, where
+from distill.data.files import columns, open_data_file, where
 
 CHECKED_ROWS = 200  # rows per source checked before the models load (all are, when tokenized)
 ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")
@@ -124,14 +124,6 @@ def check_rows(ds, source: dict, rows: int = CHECKED_ROWS) -> None:
             prompt_conversation(row, cols, source, idx)
         else:
             sft_conversation(row, cols, source, idx)
-
-
-def open_sources(data) -> None:
-    """Every source of `data` (a DataConfig) opened and its first rows checked: a missing
-    file, malformed JSON, a wrong column or a bad row stops the run before any model loads."""
-    for source in [*data.train, *(data.val or [])]:
-        source = source.as_dict()
-        check_rows(load_source(source), source)
 
 
 def read_json_exactly(path: Path, source: dict) -> datasets.Dataset:

@@ -21,17 +21,17 @@ from pathlib import Path
 
 import datasets
 
-FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text",
-           ".text": "text", ".arrow": "arrow", ".csv": "csv"}
-KINDS = ("sft", "cpt", "prompts")
-# the columns a kind reads when the source sets no `field`, in order of preference
-COLUMNS = {"sft": (("messages",), ("prompt", "completion")),
-           "prompts": (("prompt",), ("messages",)),
-           "cpt": (("text",),)}
-
-
-def source_name(source: dict) -> str:
-    return str(source.get("name") or source.get("path"))
+from distill.data.files import (
+    COMPRESSED,
+    FORMATS,
+    KINDS,
+    columns,
+    file_format,
+    open_data_file,
+    source_name,
+)
+from distill.data.memory import load_held
+from distill.data.rows import check_rows, read_json_exactly
 
 
 def load_source(source: dict) -> datasets.Dataset:
@@ -45,8 +45,6 @@ def load_source(source: dict) -> datasets.Dataset:
         raise ValueError(f"data source {name!r} has no `path` (a file, folder or hub name)")
     path, split = str(source["path"]), source.get("split", "train")
     if path.startswith("memory://"):  # a data set distill.fit holds in memory
-        from distill.data.memory import load_held
-
         return load_held(source)
     local = Path(path).expanduser()
     if file_format(local) is not None:
@@ -56,8 +54,6 @@ def load_source(source: dict) -> datasets.Dataset:
         except MixedTypes:
             ds, exact = None, True
         if exact:
-            from distill.data.rows import read_json_exactly
-
             ds = read_json_exactly(local, source)
     elif local.is_dir():
         ds = _load_folder(local, name, split)
@@ -77,17 +73,6 @@ def load_source(source: dict) -> datasets.Dataset:
         raise ValueError(f"data source {name!r} ({path}) is empty: check the "
                          "path, split and filters")
     return ds
-
-
-COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")  # datasets reads them by their suffix
-
-
-def file_format(path: Path) -> str | None:
-    """The datasets builder of a data file by its suffix (`x.jsonl.gz` is json)."""
-    suffix = path.suffix
-    if suffix in COMPRESSED:
-        suffix = Path(path.stem).suffix
-    return FORMATS.get(suffix)
 
 
 def _load_file(local: Path, name: str) -> datasets.Dataset:
@@ -129,16 +114,6 @@ def has_mixed_column(features) -> bool:
         return any(has_mixed_column(f) for f in features.values())
     inner = getattr(features, "feature", None)  # List, LargeList, Sequence
     return inner is not None and has_mixed_column(inner)
-
-
-def open_data_file(path: Path, text: bool = False):
-    """A data file, compressed or not, as bytes (or utf-8 text)."""
-    import bz2
-    import gzip
-    import lzma
-
-    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(path.suffix, open)
-    return opener(path, "rt", encoding="utf-8") if text else opener(path, "rb")
 
 
 def _raise_encoding_error(path: Path, name: str, err: Exception) -> None:
@@ -207,26 +182,9 @@ def _raise_json_error(path: Path, name: str, err: Exception) -> None:
                                  "one JSON object per line") from err
 
 
-def columns(source: dict, names: list[str]) -> tuple[str, ...]:
-    """The raw column(s) this source reads; a clear error when they are missing."""
-    kind = source.get("kind", "sft")
-    options = ((source["field"],),) if source.get("field") else COLUMNS[kind]
-    for cols in options:
-        if all(c in names for c in cols):
-            return cols
-    wanted = " or ".join(" + ".join(repr(c) for c in cols) for cols in options)
-    raise ValueError(f"data source {source_name(source)!r} ({kind}) has no column {wanted} "
-                     f"(columns: {names}); set its `field`")
-
-
-def where(source: dict, idx: int) -> str:
-    """'data source 'x', row 3 (line 4 of f.jsonl)': idx is the 0-based dataset row."""
-    text = f"data source {source_name(source)!r}, row {idx + 1}"
-    local = Path(str(source.get("path", ""))).expanduser()
-    if ".jsonl" in local.suffixes[-2:] and local.suffix != ".zst" and local.is_file():
-        with open_data_file(local, text=True) as f:  # the json loader skips blank lines
-            nonblank = (n for n, line in enumerate(f, 1) if line.strip())
-            line = next((n for k, n in enumerate(nonblank) if k == idx), None)
-        if line is not None:
-            text += f" (line {line} of {local})"
-    return text
+def open_sources(data) -> None:
+    """Every source of `data` (a DataConfig) opened and its first rows checked: a missing
+    file, malformed JSON, a wrong column or a bad row stops the run before any model loads."""
+    for source in [*data.train, *(data.val or [])]:
+        source = source.as_dict()
+        check_rows(load_source(source), source)

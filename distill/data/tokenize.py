@@ -24,8 +24,8 @@ import jinja2
 
 from distill.constants import IGNORE_INDEX
 from distill.data.chat import ChatEncoder, MergedBoundary, TemplateError
+from distill.data.files import columns, source_name, where
 from distill.data.rows import DataError, prompt_conversation, sft_conversation
-from distill.data.sources import columns, source_name, where
 
 log = logging.getLogger(__name__)
 FEATURES = datasets.Features({

@@ -64,11 +64,9 @@ class OnPolicyStep:
         seed = window_seed(self.cfg.seed, info.epoch, info.number, rank)
         samplers = (self._sampler("student", device), student,
                     self._sampler("teacher", device), self.teacher)
-        if self.cross is not None:
-            from distill.xtok.rollout import cross_rollout
-
-            rolled, stats = cross_rollout(info.batches, self.cfg, seed, self.cross.retokenizer,
-                                          self.cross.collate, *samplers, self.eos)
+        if self.cross is not None:  # a distill.xtok CrossSetup
+            rolled, stats = self.cross.rollout(info.batches, self.cfg, seed, *samplers,
+                                               eos=self.eos)
         else:
             rolled, stats = rollout(info.batches, self.cfg, seed, self.pad, self.eos,
                                     *samplers)

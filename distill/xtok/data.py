@@ -16,8 +16,8 @@ import datasets
 
 from distill.constants import IGNORE_INDEX
 from distill.data.chat import ChatEncoder, MergedBoundary, TemplateError, resolve_template
+from distill.data.files import columns, source_name, where
 from distill.data.rows import prompt_conversation, sft_conversation
-from distill.data.sources import columns, source_name, where
 from distill.xtok.align import AlignmentError
 from distill.xtok.pairing import PairEncoder, truncate, windows
 

@@ -7,7 +7,7 @@ live (`teacher_hidden`, `teacher_weight`, `teacher_head`) or cached (`teacher_to
 
 - `LiveCrossTeacher` runs the frozen model on `teacher_input_ids` through the package's
   `LiveTeacher` (its base model only; the logits are never built).
-- `CachedCrossTeacher` reads a cache written by `distill.xtok.cache.write_cache`. The cache
+- `CachedCrossTeacher` reads a cache written by `distill.cache.cross.write_cache`. The cache
   holds the teacher's own tokens, offsets and targets per example, keyed by example id,
   and no student tokens: one cache serves every student tokenizer, the alignment being
   recomputed by the data side. It refuses a cache written with another teacher tokenizer,
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from distill.cache.cross import XtokCache
 from distill.teachers import LiveTeacher
-from distill.xtok.cache import XtokCache
 from distill.xtok.collate import flat_spans, teacher_targets
 
 
@@ -60,11 +60,11 @@ class LiveCrossTeacher(torch.nn.Module):
 
     def prepare(self, datamodule, tokenizer) -> None:
         """The data's teacher side was tokenized with this teacher's own tokenizer."""
-        pair = getattr(datamodule, "pair", None)
-        if pair is None:
+        cross = getattr(datamodule, "cross", None)  # a distill.xtok CrossSetup
+        if cross is None:
             raise ValueError("a cross-tokenizer teacher needs paired data (the teacher's own "
                              "tokens of each example): loss.cross_tokenizer builds them")
-        self.check_tokenizer(pair.teacher.tokenizer)
+        self.check_tokenizer(cross.pair.teacher.tokenizer)
 
     def check_tokenizer(self, tokenizer) -> None:
         """The data's teacher tokenizer must be the teacher's own."""

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM
 
 import distill.train  # noqa: F401  (registers the distill_demo resolver)
-from distill.cache.run import cache_teacher_logits
+from distill.caching import cache_teacher_logits
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 

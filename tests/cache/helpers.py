@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import lightning as L
+
+from tests.fixtures import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +25,7 @@ class Throttle(L.Callback):
 
 
 def script(overrides: list[str], **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     cmd = [sys.executable, str(ROOT / "scripts/cache_teacher_logits.py"), *overrides]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **kw)

@@ -15,8 +15,8 @@ import torch
 
 from distill.cache import CacheMismatch, TeacherCache, content_hash, read_metadata
 from distill.cache.format import SCHEMA, shard_path
-from distill.cache.run import cache_teacher_logits
 from distill.cache.verify import UNIT_ROUNDOFF, CacheDamaged, file_sha256, sum_path, value_problem
+from distill.caching import cache_teacher_logits
 from distill.models import load_tokenizer
 from distill.teachers import CachedTeacher
 from distill.train import train

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from distill.cache import CacheMismatch
-from distill.cache.run import cache_teacher_logits
+from distill.caching import cache_teacher_logits
 from distill.data import DistillDataModule
 from distill.models import load_tokenizer
 from distill.teachers import CachedTeacher

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from distill.cache.run import cache_teacher_logits
+from distill.caching import cache_teacher_logits
 from distill.models import load_tokenizer
 from distill.teachers import CachedTeacher
 from distill.train import train

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distill.cache.run import cache_teacher_logits
+from distill.caching import cache_teacher_logits
 from distill.losses import linear_divergence
 from distill.models import final_hidden_states, lm_head, load_causal_lm, load_tokenizer
 from distill.teachers import CachedTeacher, LiveTeacher

@@ -4,7 +4,6 @@ stop at the same step, each exiting 143; a NaN on one rank stops both at the sam
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from tests.faults import windows_state
+from tests.fixtures import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ def _ddp_run(tiny_assets, out: Path, *extra: str):
            f"paths.data={tiny_assets['sft_train'].parent}", "evaluate=null",
            "data.batch_size=4", "trainer.accumulate_grad_batches=2", "trainer.max_steps=50",
            "trainer.val_check_interval=1000", "callbacks.progress.refresh_rate=0", *extra]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -18,6 +18,7 @@ from distill.module import DistillModule
 from distill.onpolicy.rollout import rollout, window_seed
 from distill.ops.spec import DivergenceSpec
 from tests.callbacks import proof
+from tests.fixtures import child_env
 from tests.reference import reference_per_token_loss
 
 ON_POLICY = {"fraction": 0.5, "temperature": 1.0, "max_new_tokens": 5, "seed": 3}
@@ -142,7 +143,6 @@ def test_resumed_on_policy_run_samples_and_trains_the_same_steps(assets, tiny_as
 def test_ddp_on_policy_step_is_the_one_pass_gradient_of_both_ranks_windows(assets, tmp_path):
     """K=3 on W=2 ranks: each rank rolls out its own window (its own seed), the counts are
     summed over the ranks after sampling, and the step is the one-pass gradient of both."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -153,7 +153,7 @@ def test_ddp_on_policy_step_is_the_one_pass_gradient_of_both_ranks_windows(asset
     out = tmp_path / "grads.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(root / "tests/callbacks/onpolicy_ddp_worker.py"), assets, str(out)]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     got = torch.load(out)

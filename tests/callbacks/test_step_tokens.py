@@ -3,7 +3,6 @@ gradient of the step's loss computed in one pass; resume, errors and the command
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from distill.models import load_tokenizer
 from distill.normalization import POLICIES
 from distill.train import train
 from tests.callbacks import proof
+from tests.fixtures import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,7 +77,7 @@ def ddp_grads(assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp") / "grads.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests/callbacks/ddp_worker.py"), assets, str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     return torch.load(out)

@@ -11,8 +11,8 @@ import datasets
 import pytest
 
 from distill.data import DistillDataModule
-from distill.data.rows import DataError, open_sources
-from distill.data.sources import load_source
+from distill.data.rows import DataError
+from distill.data.sources import load_source, open_sources
 from tests.data.templates import CHATML, make_chat_tokenizer
 
 Q = {"role": "user", "content": "2+2?"}

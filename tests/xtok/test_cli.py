@@ -124,7 +124,7 @@ def test_a_cached_cross_tokenizer_teacher_is_written_once_and_trains(folders, co
     the training run with the same overrides reads it, and one with another teacher
     tokenizer is refused naming the field."""
     from distill.cache.format import CacheMismatch
-    from distill.cache.run import cache_teacher_logits
+    from distill.caching import cache_teacher_logits
 
     common = ["+experiment=hf_sft", "trainer=cpu", "loss.cross_tokenizer=hybrid",
               f"student.name_or_path={folders['llama3']}",

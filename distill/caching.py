@@ -1,6 +1,6 @@
 """`cache_teacher_logits(cfg)`: the caching job, built from the training config itself.
 
-`distill-cache +experiment=offline_fkl` (or `python -m distill.cache.run`) reads the same
+`distill-cache +experiment=offline_fkl` (or `python -m distill.caching`) reads the same
 config as `distill-train +experiment=offline_fkl`: the teacher (`teacher.name_or_path`), the
 data and its tokenization, `loss.temperature` and the `cache:` block. So the cache and the
 runs that read it cannot disagree on what was cached. Tests call `cache_teacher_logits`.
@@ -20,7 +20,7 @@ from distill.assemble import build_callbacks, instantiate
 from distill.cache.job import CacheJob
 from distill.config import parse
 from distill.data import DistillDataModule
-from distill.data.rows import open_sources
+from distill.data.sources import open_sources
 from distill.models import check_head_rows, check_model_folder, load_causal_lm, load_tokenizer
 from distill.paths import RunLock, is_launch_rank, register_resolvers
 
@@ -71,15 +71,15 @@ def _cache(cfg: DictConfig, run) -> dict:
 def _cross_tokenizer_cache(run) -> dict:
     """A teacher with its own tokenizer: the cache holds the teacher's side of each example
     (its tokens, byte offsets, top-k and own-token log-probs) and no student tokens, so it
-    serves any student (distill.xtok.cache). Written in one process, split by split."""
+    serves any student (distill.cache.cross). Written in one process, split by split."""
     import torch
 
-    from distill.xtok.cache import write_cache
+    from distill.cache.cross import write_cache
     from distill.xtok.setup import cross_setup
 
     c = run.cache
     cross = cross_setup(run, with_offsets=True)
-    data = DistillDataModule(cross.student_tokenizer, run.data, pair=cross.pair)
+    data = DistillDataModule(cross.student_tokenizer, run.data, cross=cross)
     data.setup("fit")
     model = load_causal_lm(run.teacher.name_or_path, dtype=run.teacher.dtype,
                            attn_implementation=run.teacher.attn_implementation)
@@ -108,7 +108,7 @@ def _command() -> str | None:
     return f"distill-cache {args}"
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     cache_teacher_logits(cfg)
 

@@ -111,7 +111,7 @@ class XtokCache:
         if self.meta.get("format") != FORMAT:
             raise ValueError(f"{self.root} is not a cross-tokenizer teacher cache (format "
                              f"{self.meta.get('format')!r}); write one with "
-                             "distill.xtok.cache.write_cache")
+                             "distill.cache.cross.write_cache")
         self._splits: dict[str, dict] = {}
 
     @staticmethod
