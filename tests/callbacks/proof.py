@@ -27,14 +27,17 @@ from tests.oracle import assert_rows_close, oracle_per_token
 LOSS = {"kind": "jsd", "beta": 0.3, "ce_weight": 0.2}
 N_MICRO = 7  # micro-batches per rank and epoch: K=3 -> windows 3, 3, 1; K=4 -> 4, 3
 PAD = 0
+EMPTY = 5  # the micro-batch with no valid token on every rank
 
 
 def micro_batches(rank: int, vocab: int) -> list[dict]:
-    """Rank `rank`'s micro-batches. The last one is empty on every rank, so with K in
-    {1, 3} the epoch's last step has no valid token; rank 0's second one is empty too."""
+    """Rank `rank`'s micro-batches. The sixth (EMPTY) has no valid token on every rank:
+    with K = 1 its step trains nothing, with K = 3 and 4 it sits inside a window; the last
+    one, alone in K = 3's short last window, is a real SFT micro-batch, and K = 4's short
+    last window holds it with the empty one. Rank 0's second micro-batch is empty too."""
     g = torch.Generator().manual_seed(100 + rank)
     specs = [("sft", 2, 40), ("empty", 1, 20) if rank == 0 else ("cpt", 3, 12),
-             ("cpt", 2, 24), ("sft", 3, 30), ("cpt", 1, 8), ("sft", 2, 16), ("empty", 1, 10)]
+             ("cpt", 2, 24), ("sft", 3, 30), ("cpt", 1, 8), ("empty", 1, 10), ("sft", 2, 16)]
     return [_batch(kind, rows, width, vocab, g) for kind, rows, width in specs]
 
 
