@@ -146,6 +146,7 @@ def test_bench_timing_is_the_median_step_after_warmup():
     assert len(calls) == 5 and 29 <= ms < 45, ms
 
 
+@pytest.mark.slow  # >10 s on a 2-core CPU (make test runs it)
 def test_bench_train_tiny_runs_every_row_on_cpu(tmp_path):
     bench_train = _bench_train()
     rows = bench_train.main(["--tiny", "--pairs", "qwen", "--levers-on", "qwen", "--levers",

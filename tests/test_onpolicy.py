@@ -156,6 +156,50 @@ def test_sampler_is_seeded_restores_modes_and_rng(tiny_assets):
         assert 1 <= len(row) <= 6 and eos not in row[:-1]
 
 
+def test_sampler_draws_only_from_the_top_p_nucleus(tiny_assets):
+    """top_p: every sampled token is in the smallest set of the model's most likely next
+    tokens holding top_p of the mass (computed here from the model's own logits); without
+    it (top_p=1) the same draws leave that set."""
+    model = _student(str(tiny_assets["student"]))
+    prompt = [1, 5, 9, 12]
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    order = probs.argsort(descending=True)
+    inside = int((probs[order].cumsum(0) < 0.2).sum()) + 1
+    nucleus = set(order[:inside].tolist())
+    assert 1 < len(nucleus) < len(probs) // 2
+    firsts = {row[0] for row in _sampler(model, top_p=0.2, n=1)(model, [prompt] * 64, seed=3)}
+    assert firsts <= nucleus and len(firsts) > 1
+    free = {row[0] for row in _sampler(model, top_p=1.0, n=1)(model, [prompt] * 64, seed=3)}
+    assert not free <= nucleus
+
+
+def test_a_sample_ends_at_its_first_stop_token(tiny_assets):
+    """A completion stops at the first of its stop tokens (the stop token kept, nothing
+    after it), whatever the other rows of the batch still write. Seeded draws: a row is the
+    same up to its stop whichever tokens stop it."""
+    model = _student(str(tiny_assets["student"]))
+    prompts = [[1, 5, 9, 12], [1, 7], [4, 4, 4, 4, 4, 4, 4]]
+    eos = model.config.eos_token_id
+
+    def sample(stops):
+        return HFSampler(SamplingSettings(1.0, 1.0, 6, stops, 0))(model, prompts, seed=4)
+
+    free = sample([eos])
+    # a token first written after the start of a row, before its end: made a stop token
+    row, j = next((r, j) for r in free for j in range(1, len(r) - 1)
+                  if r[j] not in r[:j] and eos not in r[:j + 1])
+    stop = row[j]
+    got = sample([eos, stop])
+
+    def cut(tokens):
+        ends = [i for i, t in enumerate(tokens) if t in (eos, stop)]
+        return tokens[: ends[0] + 1] if ends else tokens
+
+    assert got == [cut(f) for f in free]
+    assert row[:j + 1] in got  # that row stopped there, before max_new_tokens
+
+
 def _greedy_without_cache(model, prompt, n, eos):
     ids = list(prompt)
     with torch.no_grad():

@@ -125,6 +125,7 @@ def test_resumed_on_policy_run_samples_and_trains_the_same_steps(assets, tiny_as
         proof.assert_grads_match(got, {n: g.double() for n, g in want.items()}, rtol=1e-6)
 
 
+@pytest.mark.slow  # >10 s on a 2-core CPU (make test runs it)
 def test_ddp_on_policy_step_is_the_one_pass_gradient_of_both_ranks_windows(assets, tmp_path):
     """K=3 on W=2 ranks: each rank rolls out its own window (its own seed), the counts are
     summed over the ranks after sampling, and the step is the one-pass gradient of both."""

@@ -106,6 +106,7 @@ def ddp_grads(assets, tmp_path_factory):
     return torch.load(out)
 
 
+@pytest.mark.slow  # >10 s on a 2-core CPU (make test runs it)
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_ddp_step_gradient_is_the_one_pass_gradient(assets, ddp_grads, k):
     _check_steps(assets, {p: ddp_grads[(p, k)] for p in POLICIES}, k, world=2)

@@ -63,6 +63,7 @@ def ptxas_for_sm90() -> str | None:
     return path if path and os.access(path, os.X_OK) else None
 
 
+@pytest.mark.slow  # >10 s on a 2-core CPU (make test runs it)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile them for real")
 def test_row_kernels_compile_for_sm90(tmp_path):
     if ptxas_for_sm90() is None:
