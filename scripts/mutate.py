@@ -112,7 +112,7 @@ MUTATIONS = [
     Mutation("reverse-is-forward", "distill/ops/divergence_torch.py",
              "return _plogratio(q, logq, logp).sum(-1), torch.where(q > 0, logq - logp, 0.0)",
              "return _plogratio(p, logp, logq).sum(-1), torch.where(q > 0, logq - logp, 0.0)",
-             (*FUSED, "-k", "reverse"), "reverse_kl computes KL(p || q)"),
+             (*FUSED, "-k", "reverse"), "reverse_kl computes the forward KL"),
     Mutation("cache-row-offset", "distill/cache/reader.py",
              "rows = torch.from_numpy(pos.astype(np.int64)) + (i * (t - 1) + start)",
              "rows = torch.from_numpy(pos.astype(np.int64)) + (i * t + start)",
