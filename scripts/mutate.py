@@ -153,8 +153,9 @@ def copy_repo(dst: Path) -> None:
             shutil.copy2(src, out)
 
 
-def run_tests(root: Path, args: tuple[str, ...], timeout: int) -> tuple[str, float]:
-    """('passed' | 'failed' | 'timeout', seconds) of pytest on `args` in `root`."""
+def run_tests(root: Path, args: tuple[str, ...], timeout: int) -> tuple[str, float, str]:
+    """('passed' | 'failed' | 'timeout', seconds, the first failing test) of pytest on
+    `args` in `root`."""
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1",
            "PYTHONDONTWRITEBYTECODE": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
@@ -163,11 +164,13 @@ def run_tests(root: Path, args: tuple[str, ...], timeout: int) -> tuple[str, flo
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
                               timeout=timeout)
     except subprocess.TimeoutExpired:
-        return "timeout", time.perf_counter() - t0
+        return "timeout", time.perf_counter() - t0, ""
     seconds = time.perf_counter() - t0
     if proc.returncode == 5:  # no test collected: the selection is stale
         raise SystemExit(f"no test selected by {' '.join(args)}:\n{proc.stdout[-2000:]}")
-    return ("passed" if proc.returncode == 0 else "failed"), seconds
+    failing = next((line.split(" ", 1)[1].split(" - ")[0] for line in proc.stdout.splitlines()
+                    if line.startswith(("FAILED ", "ERROR "))), "")  # -ra's summary lines
+    return ("passed" if proc.returncode == 0 else "failed"), seconds, failing
 
 
 def apply(root: Path, m: Mutation) -> str:
@@ -182,12 +185,13 @@ def apply(root: Path, m: Mutation) -> str:
     return text
 
 
-def table(results: list[tuple[Mutation, str, float]]) -> str:
-    lines = ["| mutation | file | the bug | caught by | result | s |", "|---|---|---|---|---|---|"]
-    for m, result, seconds in results:
+def table(results: list[tuple[Mutation, str, float, str]]) -> str:
+    lines = ["| mutation | file | the bug | tests run | first failing test | result | s |",
+             "|---|---|---|---|---|---|---|"]
+    for m, result, seconds, failing in results:
         tests = " ".join(m.tests)
-        lines.append(f"| `{m.name}` | `{m.path}` | {m.what} | `{tests}` | {result} | "
-                     f"{seconds:.0f} |")
+        lines.append(f"| `{m.name}` | `{m.path}` | {m.what} | `{tests}` | "
+                     f"`{failing.split('/')[-1] or '-'}` | {result} | {seconds:.0f} |")
     return "\n".join(lines)
 
 
@@ -212,7 +216,7 @@ def main(argv=None) -> int:
         if not args.no_baseline:
             selections = list(dict.fromkeys(m.tests for m in chosen))
             for sel in selections:
-                result, seconds = run_tests(root, sel, args.timeout)
+                result, seconds, _ = run_tests(root, sel, args.timeout)
                 print(f"baseline {' '.join(sel)}: {result} ({seconds:.0f} s)", flush=True)
                 if result != "passed":
                     raise SystemExit("the unmutated tests do not pass: fix them first")
@@ -220,15 +224,15 @@ def main(argv=None) -> int:
         for m in chosen:
             original = apply(root, m)
             try:
-                result, seconds = run_tests(root, m.tests, args.timeout)
+                result, seconds, failing = run_tests(root, m.tests, args.timeout)
             finally:
                 (root / m.path).write_text(original)
             verdict = {"failed": "caught", "passed": "MISSED", "timeout": "timeout"}[result]
-            results.append((m, verdict, seconds))
-            print(f"{verdict:7s} {m.name:28s} {seconds:5.0f} s", flush=True)
+            results.append((m, verdict, seconds, failing))
+            print(f"{verdict:7s} {m.name:28s} {seconds:5.0f} s  {failing}", flush=True)
     print()
     print(table(results))
-    missed = [m.name for m, verdict, _ in results if verdict != "caught"]
+    missed = [m.name for m, verdict, _, _ in results if verdict != "caught"]
     print(f"\n{len(results) - len(missed)} of {len(results)} caught"
           + (f"; not caught: {', '.join(missed)}" if missed else ""))
     return 1 if missed else 0

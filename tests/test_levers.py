@@ -135,7 +135,7 @@ def test_bench_timing_is_the_median_step_after_warmup():
     from types import SimpleNamespace
 
     bench_train = _bench_train()
-    delays = iter([0.5, 0.5, 0.03, 0.01, 0.05])  # two warm-ups of 500 ms, then three steps
+    delays = iter([0.2, 0.2, 0.03, 0.01, 0.05])  # two warm-ups of 200 ms, then three steps
     calls = []
 
     def step():
