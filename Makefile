@@ -6,7 +6,7 @@ TORCH_CPU ?= torch==2.13.0
 EXPERIMENT ?= onpolicy_demo
 BENCH_OUT ?= bench_out
 
-.PHONY: help install demo test test-oldest test-fast lint format bench clean
+.PHONY: help install demo test test-oldest test-fast test-quick mutate lint format bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -42,6 +42,12 @@ test-oldest:  ## the loop tests against the oldest supported Lightning ($(LIGHTN
 
 test-fast:  ## the tests, without reinstalling
 	$(PYTHON) -m pytest -q -x
+
+test-quick:  ## the tests without those marked slow (each > 10 s on 2 cores); make test runs all
+	$(PYTHON) -m pytest -q -x -m "not slow"
+
+mutate:  ## plant known one-line bugs in a copy, one at a time; every one must be caught (docs/testing.md)
+	OMP_NUM_THREADS=1 $(PYTHON) scripts/mutate.py
 
 lint:  ## ruff
 	$(PYTHON) -m ruff check distill tests scripts bench

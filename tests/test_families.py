@@ -3,8 +3,10 @@
 Tiny random models built from transformers' own config classes, saved and loaded back
 through `from_pretrained`. For each family: (a) the loss from hidden states and
 `lm_head()` equals a float64 divergence on the model's own `forward().logits`, loss and
-gradients; the head check accepts it and refuses it with its quirk removed; (b) the
-real-model recipe (`+experiment=hf_sft`, student=hf teacher=hf) trains on saved folders.
+gradients; the head check accepts it, and refuses it when the loss misreads its head (its
+quirk removed, or a quirk it does not have added); (b) the real-model recipe
+(`+experiment=hf_sft`, student=hf teacher=hf) trains on saved folders, its first step's
+loss equal to the one recomputed from the models' own logits (tests/step_check.py).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from distill.callbacks.head_check import head_mismatch
 from distill.data.shift import shift_flat, shift_labels
 from distill.losses import linear_divergence
 from distill.models import final_hidden_states, lm_head, load_causal_lm
-from distill.ops.spec import DivergenceSpec, HeadTransform
+from distill.ops.spec import HeadTransform
 from distill.train import train
 from tests.conftest import TOLERANCES
 from tests.fixtures import make_tokenizer
-from tests.reference import divergence_from_logprobs
+from tests.oracle import assert_rows_close, divergence
+from tests.step_check import assert_first_step_loss, record_first_step
 
 LLAMA_LIKE = dict(hidden_size=32, intermediate_size=48, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=128)
@@ -81,7 +84,7 @@ def family_dirs(tmp_path_factory):
     return dirs, len(tok)
 
 
-def reference_loss(student, teacher, ids, labels, spec, vocab):
+def reference_loss(student, teacher, ids, labels, kind, temperature, vocab):
     """Float64 divergence on the models' own forward().logits, with the student's final
     hidden states as a leaf (cut where they enter the LM head), and its gradients."""
     student, teacher = copy.deepcopy(student).double(), copy.deepcopy(teacher).double()
@@ -93,10 +96,10 @@ def reference_loss(student, teacher, ids, labels, spec, vocab):
 
     student.get_output_embeddings().register_forward_pre_hook(cut)
     # the tokenizer's rows: padding rows of a head are no token (distill's vocab_size)
-    logq = torch.log_softmax(student(ids).logits[:, :-1, :vocab] / spec.temperature, -1)
+    logq = torch.log_softmax(student(ids).logits[:, :-1, :vocab] / temperature, -1)
     with torch.no_grad():
-        logp = torch.log_softmax(teacher(ids).logits[:, :-1, :vocab] / spec.temperature, -1)
-    per = divergence_from_logprobs(logp, logq, spec)  # (B, T - 1)
+        logp = torch.log_softmax(teacher(ids).logits[:, :-1, :vocab] / temperature, -1)
+    per = divergence(logp, logq, kind)  # (B, T - 1)
     keep = labels[:, 1:] != -100
     loss = per[keep].mean()
     loss.backward()
@@ -108,7 +111,6 @@ def test_fused_loss_equals_float64_kl_on_the_model_logits(name, family_dirs):
     dirs, vocab = family_dirs
     student, teacher = (load_causal_lm(str(p)) for p in dirs[name])
     kind = KINDS[list(FAMILIES).index(name) % 3]
-    spec = DivergenceSpec(kind=kind, temperature=1.5)
     ids = torch.randint(4, vocab, (2, 13))
     labels = ids.clone()
     labels[0, :5] = -100
@@ -125,7 +127,8 @@ def test_fused_loss_equals_float64_kl_on_the_model_logits(name, family_dirs):
                              vocab_size=vocab)
     loss.backward()
 
-    ref, ref_hidden, ref_weight_grad = reference_loss(student, teacher, ids, labels, spec, vocab)
+    ref, ref_hidden, ref_weight_grad = reference_loss(student, teacher, ids, labels, kind, 1.5,
+                                                      vocab)
     rtol, atol = TOLERANCES[torch.float32]
     torch.testing.assert_close(hidden.double(), ref_hidden, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(loss.double(), ref, rtol=rtol, atol=atol)
@@ -134,12 +137,16 @@ def test_fused_loss_equals_float64_kl_on_the_model_logits(name, family_dirs):
     # the head's gradient, on the tokenizer's rows (padding rows are outside the loss)
     torch.testing.assert_close(weight.grad[:vocab].double(), ref_weight_grad[:vocab],
                                rtol=1e-4, atol=1e-7)
+    # row by row: each position's d hidden, each vocab entry's d weight
+    assert_rows_close(hidden.grad.flatten(0, 1), ref_hidden.grad.flatten(0, 1), 1e-4, 1e-9,
+                      "d hidden")
+    assert_rows_close(weight.grad[:vocab], ref_weight_grad[:vocab], 1e-4, 1e-9, "d weight")
     assert ref > 1e-3  # two different models: a loss that a dropped quirk would change
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_head_check_accepts_each_family_and_catches_a_missed_quirk(name, family_dirs,
-                                                                   monkeypatch):
+def test_head_check_accepts_each_family_and_catches_a_misread_head(name, family_dirs,
+                                                                  monkeypatch):
     dirs, vocab = family_dirs
     model = load_causal_lm(str(dirs[name][1]))
     ids = torch.randint(4, vocab, (1, 16))
@@ -148,39 +155,46 @@ def test_head_check_accepts_each_family_and_catches_a_missed_quirk(name, family_
         assert head_mismatch(model, ids, vocab) is None
     assert head_mismatch(model.to(torch.bfloat16), ids, vocab) is None  # a bf16 teacher
     model.float()
-    if name not in QUIRKY:
-        return
-    # as if distill did not know this family's quirk: the check names the class
     import distill.callbacks.head_check as hc
 
-    plain = lambda m: (lm_head(m)[0], HeadTransform())  # noqa: E731
-    monkeypatch.setattr(hc, "lm_head", plain)
+    if name in QUIRKY:  # as if distill did not know this family's quirk
+        misread = lambda m: (lm_head(m)[0], HeadTransform())  # noqa: E731
+        ratio = {"granite": 0.25, "cohere": 0.25}.get(name)  # pure scales: the message says
+    else:  # as if distill gave this family a logit scale it does not have
+        misread = lambda m: (lm_head(m)[0], dataclasses.replace(lm_head(m)[1], scale=2.0))  # noqa: E731
+        ratio = 0.5
+    monkeypatch.setattr(hc, "lm_head", misread)
     problem = head_mismatch(model, ids, vocab)
     assert problem is not None and problem.startswith(type(model).__name__)
     assert "differ from the model's own forward().logits" in problem
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert head_mismatch(model, ids, vocab) is not None
-    if name in ("granite", "cohere"):  # a pure scale: the ratio says which
-        expected = 0.25
-        assert f"about {expected:.4g} x the loss's" in problem
+    if ratio is not None:
+        assert f"about {ratio:.4g} x the loss's" in problem, problem
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_real_model_recipe_trains_each_family(name, family_dirs, compose_cfg, tmp_path):
+def test_real_model_recipe_trains_each_family(name, family_dirs, compose_cfg, tmp_path,
+                                              monkeypatch):
     dirs, _ = family_dirs
     student, teacher = dirs[name]
     cfg = compose_cfg("+experiment=hf_sft", f"student.name_or_path={student}",
                       f"teacher.name_or_path={teacher}", "trainer.max_steps=2", "data.val=null",
+                      "teacher.dtype=float32",  # the recomputation below is float64
                       "callbacks.checkpoint=null", "callbacks.export=null",
                       "data.packing=" + ("true" if name in QUIRKY else "false"))
+    first = record_first_step(monkeypatch)
     summary = train(cfg)
     assert summary["global_step"] == 2
     loss = summary["metrics"]["train/loss"]
     assert torch.isfinite(torch.tensor(loss)) and loss > 0
+    # the first step's logged loss is the one of the models' own logits, each document
+    # alone (packed for the quirky families), in float64
+    assert_first_step_loss(first, cfg.loss)
 
 
 def test_head_check_refuses_training_when_the_loss_misreads_a_head(family_dirs, compose_cfg,
-                                                                   monkeypatch):
+                                                                  monkeypatch):
     import distill.callbacks.head_check as hc
 
     dirs, _ = family_dirs

@@ -112,26 +112,56 @@ def test_train_applies_the_levers_from_the_config(compose_cfg, monkeypatch):
 
     seen = {}
     monkeypatch.setattr(distill.train, "apply_levers",
-                        lambda speed, student, teacher: seen.update(speed=speed,
-                                                                    teacher=teacher))
+                        lambda speed, student, teacher, packing: seen.update(
+                            speed=speed, teacher=teacher, packing=packing))
     cfg = compose_cfg("speed.gradient_checkpointing=true", "trainer.max_steps=1",
                       "trainer.val_check_interval=1")
     distill.train.train(cfg)
     assert seen["speed"] == Speed(gradient_checkpointing=True)
     assert isinstance(seen["teacher"], torch.nn.Module)
+    assert seen["packing"] is False  # the config's data.packing
 
 
-def test_bench_train_tiny_runs_every_row_on_cpu(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
+def _bench_train():
+    sys.path.insert(0, str(ROOT / "bench"))  # the benchmarks import each other by name
     import bench_train
 
+    return bench_train
+
+
+def test_bench_timing_is_the_median_step_after_warmup():
+    """timed_ms on CPU: warm-up calls are not timed, the result is the median of `reps`
+    timed calls (steps of 30, 10 and 50 ms here: 30 ms, whatever the order)."""
+    import time
+    from types import SimpleNamespace
+
+    bench_train = _bench_train()
+    delays = iter([0.2, 0.2, 0.03, 0.01, 0.05])  # two warm-ups of 200 ms, then three steps
+    calls = []
+
+    def step():
+        calls.append(None)
+        time.sleep(next(delays))
+
+    ms = bench_train.timed_ms(step, SimpleNamespace(cuda=False), warm=2, reps=3)
+    assert len(calls) == 5 and 29 <= ms < 45, ms
+
+
+@pytest.mark.slow  # >10 s on a 2-core CPU (make test runs it)
+def test_bench_train_tiny_runs_every_row_on_cpu(tmp_path):
+    bench_train = _bench_train()
     rows = bench_train.main(["--tiny", "--pairs", "qwen", "--levers-on", "qwen", "--levers",
                              "flash", "--max-rows", "2", "--reps", "1", "--out", str(tmp_path)])
     by = {r["name"]: r for r in rows}
     for name in ("teacher forward alone (floor)", "full logits + torch KL", "distill",
                  "distill, checkpointing", "cached top-64, targets on the GPU",
                  "cached top-64, targets from a prefetching DataLoader (2 workers)"):
-        assert by[f"qwen: {name}"]["ms"] > 0, name
+        r = by[f"qwen: {name}"]
+        assert r["ms"] > 0, name  # timed_ms itself: the test above
+        # the throughput is the row's tokens over its step time (ms is rounded to 0.1)
+        tokens, ms = r["rows"] * r["seq"], r["ms"]
+        assert r["rows"] == 2 and r["seq"] > 1, r
+        assert abs(r["tokens_per_s"] - tokens / ms * 1e3) <= 1 + tokens / ms**2 * 50, r
     assert by["qwen: distill: largest micro-batch"]["largest_rows"] == 2
     assert by["lever flash-attention varlen"]["skipped"].startswith("unavailable")
     assert (tmp_path / "bench_train.json").exists()

@@ -31,6 +31,7 @@ def _tiny_overrides(tiny_assets) -> list[str]:
             "callbacks.progress.refresh_rate=0"]
 
 
+@pytest.mark.slow  # >10 s on a 2-core CPU (make test runs it)
 def test_multirun_gives_each_job_its_folder_and_student(tiny_assets, tmp_path):
     sweep = tmp_path / "sweep"
     env = child_env()

@@ -63,27 +63,36 @@ def _window():
            "labels": torch.tensor([[-100, -100, -100, 7, 8, -100],
                                    [-100, -100, 7, 9, -100, -100]]),
            "example_id": ["a", "b"]}
-    prompts = {"input_ids": torch.tensor([[1, 6, 6, 2]]),
-               "attention_mask": torch.tensor([[1, 1, 1, 1]]),
-               "labels": torch.full((1, 4), -100)}
+    prompts = {"input_ids": torch.tensor([[1, 6, 6, 2], [1, 7, 3, 0]]),
+               "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
+               "labels": torch.full((2, 4), -100)}
     return [sft, prompts]
 
 
-@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+# TableSampler at seed 13 (4 new tokens at most): [1, 5, 6] and [1, 6, 6, 2] end with an eos,
+# [1, 5] and [1, 7, 3] are cut; the two prompt-only rows are always sampled, so every
+# fraction's rollout has both kinds of ending
+ENDS_WITH_EOS = {(1, 5, 6): True, (1, 5): False, (1, 6, 6, 2): True, (1, 7, 3): False}
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 1.0])  # none, one, both of the SFT rows
 def test_rollout_rewrites_the_chosen_rows(fraction):
     sampler, window = TableSampler(), _window()
     cfg = OnPolicyConfig(fraction=fraction, max_new_tokens=4)
     out, stats = rollout(window, cfg, 13, 0, [EOS], sampler, None)
     g = torch.Generator().manual_seed(13)
-    draw = torch.rand(3, generator=g).tolist()
-    chosen = [draw[0] < fraction, draw[1] < fraction, True]  # the prompt-only row: always
+    draw = torch.rand(4, generator=g).tolist()
+    chosen = [draw[0] < fraction, draw[1] < fraction, True, True]  # prompt-only rows: always
+    assert chosen[:2] == {0.0: [False, False], 0.3: [True, False], 1.0: [True, True]}[fraction]
     assert len(sampler.calls) == 1  # one call for the whole window
-    prompts = [[1, 5, 6], [1, 5], [1, 6, 6, 2]]
+    prompts = [[1, 5, 6], [1, 5], [1, 6, 6, 2], [1, 7, 3]]
     assert sampler.calls[0][0] == [p for p, c in zip(prompts, chosen) if c]
     comps = sampler(None, [p for p, c in zip(prompts, chosen) if c], seed=13)
+    assert [c[-1] == EOS for c in comps] == [ENDS_WITH_EOS[tuple(p)]
+                                             for p, c in zip(prompts, chosen) if c]
     completions = iter(comps)
-    originals = [(window[0], 0), (window[0], 1), (window[1], 0)]
-    got_rows = [(out[0], 0), (out[0], 1), (out[1], 0)]
+    originals = [(window[0], 0), (window[0], 1), (window[1], 0), (window[1], 1)]
+    got_rows = [(out[0], 0), (out[0], 1), (out[1], 0), (out[1], 1)]
     for (src, i), (dst, j), prompt, c in zip(originals, got_rows, prompts, chosen):
         real = int(dst["attention_mask"][j].sum())
         ids, labels = dst["input_ids"][j, :real].tolist(), dst["labels"][j, :real].tolist()
@@ -100,8 +109,8 @@ def test_rollout_rewrites_the_chosen_rows(fraction):
             assert labels == src["labels"][i, :n].tolist()
     assert out[0]["example_id"] == ["a", "b"]
     assert stats.rows == sum(chosen) and stats.tokens == sum(len(c) for c in comps)
-    assert 0 < stats.cut < len(comps) or fraction < 1  # both kinds of ending are counted
-    assert stats.cut == sum(c[-1] != EOS for c in comps)
+    assert 0 < stats.cut < len(comps)  # both kinds of ending, at every fraction
+    assert stats.cut == sum(not ENDS_WITH_EOS[tuple(p)] for p, c in zip(prompts, chosen) if c)
 
 
 def test_rollout_refuses_packed_and_left_padded_rows():
@@ -109,7 +118,7 @@ def test_rollout_refuses_packed_and_left_padded_rows():
     packed = [{**window[0], "position_ids": torch.zeros_like(window[0]["input_ids"])}]
     with pytest.raises(ValueError, match="set data.packing=false"):
         rollout(packed, OnPolicyConfig(fraction=1.0), 0, 0, [EOS], TableSampler(), None)
-    left = [{**window[1], "attention_mask": torch.tensor([[0, 1, 1, 1]])}]
+    left = [{**window[1], "attention_mask": torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]])}]
     with pytest.raises(ValueError, match="need right-padded rows"):
         rollout(left, OnPolicyConfig(fraction=1.0), 0, 0, [EOS], TableSampler(), None)
 
@@ -145,6 +154,50 @@ def test_sampler_is_seeded_restores_modes_and_rng(tiny_assets):
     for row in a:
         eos = model.config.eos_token_id
         assert 1 <= len(row) <= 6 and eos not in row[:-1]
+
+
+def test_sampler_draws_only_from_the_top_p_nucleus(tiny_assets):
+    """top_p: every sampled token is in the smallest set of the model's most likely next
+    tokens holding top_p of the mass (computed here from the model's own logits); without
+    it (top_p=1) the same draws leave that set."""
+    model = _student(str(tiny_assets["student"]))
+    prompt = [1, 5, 9, 12]
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    order = probs.argsort(descending=True)
+    inside = int((probs[order].cumsum(0) < 0.2).sum()) + 1
+    nucleus = set(order[:inside].tolist())
+    assert 1 < len(nucleus) < len(probs) // 2
+    firsts = {row[0] for row in _sampler(model, top_p=0.2, n=1)(model, [prompt] * 64, seed=3)}
+    assert firsts <= nucleus and len(firsts) > 1
+    free = {row[0] for row in _sampler(model, top_p=1.0, n=1)(model, [prompt] * 64, seed=3)}
+    assert not free <= nucleus
+
+
+def test_a_sample_ends_at_its_first_stop_token(tiny_assets):
+    """A completion stops at the first of its stop tokens (the stop token kept, nothing
+    after it), whatever the other rows of the batch still write. Seeded draws: a row is the
+    same up to its stop whichever tokens stop it."""
+    model = _student(str(tiny_assets["student"]))
+    prompts = [[1, 5, 9, 12], [1, 7], [4, 4, 4, 4, 4, 4, 4]]
+    eos = model.config.eos_token_id
+
+    def sample(stops):
+        return HFSampler(SamplingSettings(1.0, 1.0, 6, stops, 0))(model, prompts, seed=4)
+
+    free = sample([eos])
+    # a token first written after the start of a row, before its end: made a stop token
+    row, j = next((r, j) for r in free for j in range(1, len(r) - 1)
+                  if r[j] not in r[:j] and eos not in r[:j + 1])
+    stop = row[j]
+    got = sample([eos, stop])
+
+    def cut(tokens):
+        ends = [i for i, t in enumerate(tokens) if t in (eos, stop)]
+        return tokens[: ends[0] + 1] if ends else tokens
+
+    assert got == [cut(f) for f in free]
+    assert row[:j + 1] in got  # that row stopped there, before max_new_tokens
 
 
 def _greedy_without_cache(model, prompt, n, eos):

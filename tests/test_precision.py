@@ -57,8 +57,7 @@ def test_loss_under_autocast_keeps_fp32_logits(kind):
     """bf16-mixed runs the loss inside autocast with fp32 master weights: its GEMMs take
     bf16 operands (as autocast would) but the logits and everything after stay fp32."""
     from distill.losses import linear_divergence
-    from distill.ops.spec import DivergenceSpec
-    from tests.reference import divergence_from_logprobs
+    from tests.oracle import assert_rows_close, divergence
 
     n, v = 37, 1271
     hs = torch.randn(n, 48, requires_grad=True)
@@ -74,7 +73,7 @@ def test_loss_under_autocast_keeps_fp32_logits(kind):
     w64 = ws.detach().bfloat16().double().requires_grad_()
     logq = torch.log_softmax(h64 @ w64.T, -1)
     logp = torch.log_softmax(ht.double() @ wt.double().T, -1)
-    ref = divergence_from_logprobs(logp, logq, DivergenceSpec(kind=kind)).mean()
+    ref = divergence(logp, logq, kind).mean()
     ref.backward()
     torch.testing.assert_close(loss.double(), ref, rtol=2e-5, atol=1e-6)
     # the gradients come back through the bf16 operands (as autocast's own GEMMs would
@@ -82,6 +81,7 @@ def test_loss_under_autocast_keeps_fp32_logits(kind):
     for got, want in ((hs.grad, h64.grad), (ws.grad, w64.grad)):
         torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-7)
         assert (got.double() - want).abs().max() < 2**-8 * want.abs().max()
+        assert_rows_close(got, want, 2**-8, 1e-7)  # each position, each vocab row
 
 
 def test_a_16_bit_student_under_mixed_precision_is_warned(compose_cfg, tiny_assets):

@@ -46,6 +46,7 @@ def test_tokenizer_has_the_size_and_round_trips_chat(size, tmp_path):
         assert text.count("<|im_start|>assistant\n") >= 1
 
 
+@pytest.mark.slow  # >10 s on a 2-core CPU (make test runs it)
 def test_whole_script_runs_tiny_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path / "logs"))  # logs go to $OUT when it is set
     rc = real_shapes.main(["--out", str(tmp_path / "rs"), "--tiny", "--run",

@@ -30,6 +30,12 @@ def sharp_teacher(tiny_assets, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def teacher64(sharp_teacher):
+    """The sharp teacher in float64: the targets a cache of it holds, recomputed."""
+    return AutoModelForCausalLM.from_pretrained(sharp_teacher).double().eval()
+
+
 def base_overrides(assets, teacher, cache_dir, out) -> list[str]:
     return ["+experiment=offline_fkl", f"paths.output_dir={out}",
             f"teacher.name_or_path={teacher}", f"paths.data={assets['sft_train'].parent}",

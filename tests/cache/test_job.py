@@ -27,6 +27,7 @@ def example_ids(root) -> list[str]:
     return ids
 
 
+@pytest.mark.slow  # >10 s on a 2-core CPU (make test runs it)
 def test_killed_at_any_moment_then_rerun_gives_the_identical_cache(cache_overrides, cache_k8,
                                                                     tmp_path):
     ref, _ = cache_k8  # the same job, uninterrupted
@@ -50,6 +51,7 @@ def test_killed_at_any_moment_then_rerun_gives_the_identical_cache(cache_overrid
     assert content_hash(root, meta) == content_hash(ref, read_metadata(ref))
 
 
+@pytest.mark.slow  # >10 s on a 2-core CPU (make test runs it)
 def test_two_gloo_ranks_write_a_complete_non_overlapping_cache(cache_overrides, cache_k8,
                                                                tmp_path):
     ref, _ = cache_k8

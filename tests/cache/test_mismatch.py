@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from distill.cache import CacheMismatch
 from distill.caching import cache_teacher_logits
@@ -36,9 +37,26 @@ def test_teacher_k_and_temperature(cache_k8, sharp_teacher, field, kwargs):
     assert err.value.field == field
 
 
-def test_matching_data_passes(cached, data):
+def test_matching_data_passes_and_is_served_the_teachers_top_k(cached, data, teacher64):
+    """The data the cache was written for passes every check, and each of its trained
+    positions is served the teacher model's own top-8 (recomputed here in float64; the
+    cache rounds the log-probs to fp16); untrained positions hold id 0, log-prob 0."""
     cfg, tok = data
-    cached.check_data(data_from(cfg, tok), tok)
+    dm = data_from(cfg, tok)
+    assert cached.check_data(dm, tok) is None
+    batch = next(iter(dm.val_dataloader()))
+    served = cached.targets(batch)
+    ids, lps = served["target_ids"].long(), served["target_logprobs"].double()
+    with torch.no_grad():
+        zt = teacher64(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    logp = torch.log_softmax(zt.logits[:, :-1, :len(tok)].flatten(0, 1).double(), -1)
+    trained = batch["labels"][:, 1:].flatten() != -100
+    assert trained.any() and (~trained).any()
+    top = logp[trained].topk(8, dim=-1)
+    want = torch.zeros_like(logp[trained]).scatter(-1, top.indices, top.values)
+    got = torch.zeros_like(want).scatter(-1, ids[trained], lps[trained])
+    torch.testing.assert_close(got, want, rtol=2.0**-11, atol=1e-6)
+    assert (ids[~trained] == 0).all() and (lps[~trained] == 0).all()
 
 
 def test_tokenizer(cached, data, tmp_path):

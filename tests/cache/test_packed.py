@@ -1,4 +1,6 @@
-"""A cached teacher with packed rows: each document gets its own cached targets."""
+"""A cached teacher with packed rows: each document gets its own cached targets, and a
+packed offline run's first step is the loss of each document alone against the teacher's
+own top-8 (tests/step_check.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from distill.models import load_tokenizer
 from distill.teachers import CachedTeacher
 from distill.train import train
 from tests.fixtures import data_from
+from tests.step_check import CACHED_RTOL, assert_first_step_loss, record_first_step
 
 
 def _data(cfg, tok, packing):
@@ -48,12 +51,18 @@ def test_packed_rows_get_each_documents_targets(compose_train, cache_k8, sharp_t
 
 def test_cache_job_ignores_packing_and_packed_offline_training_runs(compose_cache,
                                                                     compose_train, cache_k8,
-                                                                    tmp_path):
+                                                                    tmp_path, monkeypatch,
+                                                                    teacher64):
     # the same cache whether the data config packs or not: the job is per example
     summary = cache_teacher_logits(compose_cache(cache_k8[0], "cache.top_k=8",
                                                  "data.packing=true"))
     assert summary["shards_written"] == 0  # every shard already there: the same cache
-    result = train(compose_train(cache_k8[0], "cache.top_k=8", "data.packing=true",
-                                 "trainer.max_steps=3", "evaluate=null", out=tmp_path))
+    cfg = compose_train(cache_k8[0], "cache.top_k=8", "data.packing=true",
+                        "trainer.max_steps=3", "evaluate=null", out=tmp_path)
+    first = record_first_step(monkeypatch)
+    result = train(cfg)
     assert result["global_step"] == 3
     assert all(torch.isfinite(torch.tensor(v)) for v in result["metrics"].values())
+    assert any("position_ids" in b for b in first.batches)  # packed rows were trained
+    assert_first_step_loss(first, cfg.loss, rtol=CACHED_RTOL, cached_teacher=teacher64,
+                           top_k=8)

@@ -13,13 +13,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from distill.data import DistillDataModule
-from distill.models import final_hidden_states, lm_head, load_tokenizer
+from distill.models import load_tokenizer
 from distill.module import DistillModule
 from distill.onpolicy.rollout import rollout, window_seed
-from distill.ops.spec import DivergenceSpec
 from tests.callbacks import proof
 from tests.fixtures import child_env
-from tests.reference import reference_per_token_loss
 
 ON_POLICY = {"fraction": 0.5, "temperature": 1.0, "max_new_tokens": 5, "seed": 3}
 
@@ -51,30 +49,18 @@ def _reference(assets: str, step: list[dict], policy: str) -> dict:
     """float64 gradient of the rolled-out step in one pass: sampled rows are trained on the
     divergence alone, the dataset's rows on divergence + ce_weight * CE."""
     student, s, t = proof.float64_models(assets)
-    width = max(b["input_ids"].shape[1] for b in step)
-
-    def cat(key, value):
-        return torch.cat([torch.nn.functional.pad(b[key], (0, width - b[key].shape[1]),
-                                                  value=value) for b in step])
-
-    ids, attn, labels = cat("input_ids", proof.PAD), cat("attention_mask", 0), cat("labels",
-                                                                                   -100)
+    ids, attn, labels, micro = proof.padded_step(step)
     sampled = torch.cat([b["sampled"] for b in step])
-    hs = final_hidden_states(s, ids, attn)[:, :-1]
-    with torch.no_grad():
-        ht = final_hidden_states(t, ids, attn)[:, :-1]
     v = student.config.vocab_size
-    zs, zt = (hs @ lm_head(s)[0][:v].T).flatten(0, 1), (ht @ lm_head(t)[0][:v].T).flatten(0, 1)
+    zs = proof.model_logits(s, ids, attn, v).flatten(0, 1)
+    with torch.no_grad():
+        zt = proof.model_logits(t, ids, attn, v).flatten(0, 1)
     target = labels[:, 1:]
-    with_ce = reference_per_token_loss(zs, zt, labels=target.flatten(),
-                                       spec=DivergenceSpec(**proof.LOSS))
-    without = reference_per_token_loss(zs, zt, labels=target.flatten(),
-                                       spec=DivergenceSpec(**{**proof.LOSS, "ce_weight": 0.0}))
     on = sampled[:, None].expand_as(target).flatten()
-    per_token = torch.where(on, without, with_ce)
+    ce = torch.where(on, 0.0, proof.LOSS["ce_weight"]).double()
+    per_token = proof.per_token_loss(zs, zt, target.flatten(), ce=ce)
     valid = (target != -100) & attn[:, 1:].bool()
     real = attn[:, 1:].bool() & attn[:, :-1].bool()
-    micro = torch.cat([torch.full((len(b["input_ids"]),), i) for i, b in enumerate(step)])
     w = proof.policy_weights(policy, valid, real, micro, len(step)).flatten()
     params = dict(s.named_parameters())
     grads = torch.autograd.grad((w * per_token).sum(), list(params.values()), allow_unused=True)
@@ -140,6 +126,7 @@ def test_resumed_on_policy_run_samples_and_trains_the_same_steps(assets, tiny_as
         proof.assert_grads_match(got, {n: g.double() for n, g in want.items()}, rtol=1e-6)
 
 
+@pytest.mark.slow  # >10 s on a 2-core CPU (make test runs it)
 def test_ddp_on_policy_step_is_the_one_pass_gradient_of_both_ranks_windows(assets, tmp_path):
     """K=3 on W=2 ranks: each rank rolls out its own window (its own seed), the counts are
     summed over the ranks after sampling, and the step is the one-pass gradient of both."""

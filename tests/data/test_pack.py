@@ -119,9 +119,12 @@ def test_packed_row_equals_its_documents_alone(tiny_assets, monkeypatch, attn, f
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_packing_trains_end_to_end(compose_cfg):
+def test_packing_trains_end_to_end(compose_cfg, monkeypatch):
+    """A packed mix (SFT and CPT documents) trains; its first step's loss is the loss of
+    each document alone through the models' own forward (tests/step_check.py)."""
     from distill.models import load_tokenizer
     from distill.train import train
+    from tests.step_check import assert_first_step_loss, record_first_step
 
     cfg = compose_cfg("+experiment=mix_jsd", "data.packing=true", "trainer.max_steps=4")
     dm = data_from(cfg, load_tokenizer(cfg.teacher.name_or_path))
@@ -131,9 +134,13 @@ def test_packing_trains_end_to_end(compose_cfg):
     plain.setup("fit")
     assert len(dm.train_set) < len(plain.train_set)
     assert sum(map(len, dm.train_set["input_ids"])) == sum(map(len, plain.train_set["input_ids"]))
+    first = record_first_step(monkeypatch)
     summary = train(cfg)
     assert summary["global_step"] == 4
     assert all(torch.isfinite(torch.tensor(v)) for v in summary["metrics"].values())
+    assert all("position_ids" in b for b in first.batches)
+    assert any(len(ids) > 1 for b in first.batches for ids in b["example_ids"])
+    assert_first_step_loss(first, cfg.loss)
 
 
 def test_packing_needs_a_transformers_that_masks_documents(monkeypatch):

@@ -1,4 +1,10 @@
-"""Random realistic inputs and the float64 oracle comparison shared by loss and op tests."""
+"""Random realistic inputs and the float64 oracle comparison shared by loss and op tests.
+
+The oracle is tests/oracle.py, which imports nothing from distill: `run_both` runs the code
+under test and the oracle on the same inputs, `assert_close` compares the losses and every
+gradient row by row (each row of d hidden is one position, each row of d weight one vocab
+entry), each row held to its own size.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,7 @@ import math
 
 import torch
 
-from distill.ops.spec import DivergenceSpec
-from tests.reference import reference_linear_divergence
+from tests.oracle import Head, assert_rows_close, head_logits, oracle_loss
 
 
 def make_inputs(n=41, v=1271, hs=48, ht=40, k=None, dtype=torch.float32, device="cpu",
@@ -40,8 +45,29 @@ def make_inputs(n=41, v=1271, hs=48, ht=40, k=None, dtype=torch.float32, device=
     return out
 
 
+# the keywords of linear_divergence that define the loss: the oracle takes them too
+ORACLE_KEYWORDS = ("kind", "beta", "temperature", "ce_weight", "temperature_squared",
+                   "sparse_mode", "divergence_weight", "ignore_index", "vocab_size")
+
+
+def oracle_head(head):
+    """The oracle's own Head for a distill HeadTransform (the same numbers, float64)."""
+    if head is None:
+        return None
+    bias = None if head.bias is None else head.bias.detach().double()
+    return Head(bias=bias, scale=float(head.scale), softcap=head.softcap)
+
+
+class OracleResult(tuple):
+    """(loss, {name: grad}) of the oracle, with `row_scales` (see gradient_row_scales)."""
+
+    row_scales: object  # (rtol, dtype) -> {name: (rows,)}
+
+
 def run_both(inputs, fn, grad_scale=1.0, **kw):
-    """(loss, grads) from `fn` and from the float64 reference, on the same inputs."""
+    """(loss, grads) from `fn` and from the float64 oracle, on the same inputs; grads of
+    student_hidden and student_weight. The oracle's result also carries the scale each
+    gradient row is held to (`assert_close`)."""
     def grads_of(f, cast):
         leaves = {}
         args = {}
@@ -57,24 +83,110 @@ def run_both(inputs, fn, grad_scale=1.0, **kw):
         (loss * grad_scale).backward()
         return loss.detach(), {k: v.grad for k, v in leaves.items()}
 
-    spec_kw = {k: kw[k] for k in ("kind", "beta", "temperature", "ce_weight",
-                                  "temperature_squared", "sparse_mode") if k in kw}
-    spec = DivergenceSpec(**spec_kw)
-    ref = grads_of(lambda a: reference_linear_divergence(**a, spec=spec), torch.float64)
+    oracle_kw = {k: kw[k] for k in ORACLE_KEYWORDS if k in kw}
+    for side in ("student_head", "teacher_head"):
+        if side in kw:
+            oracle_kw[side] = oracle_head(kw[side])
+    ref = OracleResult(grads_of(lambda a: oracle_loss(**a, **oracle_kw), torch.float64))
+    ref.row_scales = lambda rtol, dtype: gradient_row_scales(inputs, grad_scale, oracle_kw,
+                                                             rtol, dtype)
     got = grads_of(lambda a: fn(**a, **kw), None)
     return got, ref
 
 
+# The op's softmax and divergence math is fp32 whatever the inputs: each entry of d logits
+# carries a rounding error of a few fp32 units times the size of the terms it is built
+# from (q, p and their logs), however much those terms cancel (a JSD with a small beta,
+# where log q - log m is tiny next to log q). FP32_TERM_ULPS of them are allowed per term.
+FP32_TERM_ULPS = 4 * 2.0**-24
+# fp16 inputs: d logits enter the GEMMs in fp16, where entries below 2^-24 (the smallest
+# subnormal) are lost: a token-weighted gradient has such entries
+UNDERFLOW = {torch.float16: 2.0**-24}
+
+
+def gradient_row_scales(inputs, grad_scale, oracle_kw, rtol, dtype=torch.float32):
+    """{name: (rows,)} the scale each gradient row is held to (assert_close): the norm of
+    the sum of the magnitudes of the products the row sums (d hidden = C W, d weight =
+    C.T H, C the oracle's gradient of the logits: a row whose terms cancel is only as
+    accurate as its largest terms), plus the fp32 rounding of C's own terms and fp16's
+    underflow (divided by rtol: absolute floors in the units assert_rows_close uses)."""
+    x = {k: v.detach().cpu() for k, v in inputs.items()}
+    x = {k: v.double() if v.is_floating_point() else v for k, v in x.items()}
+    h, w = x["student_hidden"], x["student_weight"]
+    z = (h @ w.T).T.contiguous().requires_grad_(True)  # hidden = I, weight = the logits.T
+    loss = oracle_loss(**{**x, "student_hidden": torch.eye(len(h), dtype=torch.float64),
+                          "student_weight": z}, **oracle_kw)
+    (loss * grad_scale).backward()
+    c = z.grad.T.abs() + _rounding_of_terms(x, z.detach().T, grad_scale, oracle_kw) / rtol
+    c = c + UNDERFLOW.get(dtype, 0.0) / rtol
+    dw = c.T @ h.abs()
+    return {"student_hidden": (c @ w.abs()).norm(dim=1), "student_weight": dw.norm(dim=1),
+            "student_weight columns": dw.norm(dim=0)}
+
+
+def _rounding_of_terms(x, z, grad_scale, kw):
+    """(N, V') FP32_TERM_ULPS x the size of the terms each entry of d logits is built from:
+    w_i (q + p)(1 + |log q| + |log p|) / T for the divergence (p the teacher's probability
+    at that entry; a tail id's share of the tail bucket when cached), w_i ce r for the CE
+    of the untempered student r; times the head's derivative."""
+    t, vocab = kw.get("temperature", 1.0), kw.get("vocab_size") or z.shape[1]
+    head = kw.get("student_head")
+    raw = z[:, :vocab]
+    a = head_logits(torch.eye(len(z), dtype=torch.float64), raw.T, head)
+    d_head = torch.ones_like(a) if head is None else head.scale * (
+        torch.ones_like(a) if head.softcap is None else 1 - (a / head.softcap) ** 2)
+    labels = x.get("labels")
+    trained = torch.ones(len(z), dtype=torch.bool) if labels is None else (
+        labels != kw.get("ignore_index", -100))
+    weights = x.get("weights")
+    wts = (trained.double() / max(int(trained.sum()), 1) if weights is None
+           else weights.abs() * trained)
+    logq = torch.log_softmax(a / t, -1)
+    if "teacher_hidden" in x:
+        zt = head_logits(x["teacher_hidden"], x["teacher_weight"], kw.get("teacher_head"),
+                         vocab)
+        p = torch.softmax(zt / t, -1)
+    else:
+        lp = x["target_logprobs"]
+        p = torch.zeros_like(a).scatter(-1, x["target_ids"].long(), lp.exp())
+        in_k = torch.zeros_like(a, dtype=torch.bool).scatter(-1, x["target_ids"].long(), True)
+        q = logq.exp()
+        q_tail = (q * ~in_k).sum(-1, keepdim=True)
+        p_tail = (1 - lp.exp().sum(-1, keepdim=True)).clamp_min(0)
+        share = torch.where(q_tail > 0, p_tail / q_tail.clamp_min(1e-300), 0.0)
+        p = torch.where(in_k, p, q * share)
+    q = logq.exp()
+    logp = torch.where(p > 0, p.clamp_min(1e-300).log().abs(), 0.0)
+    terms = (q + p) * (1 + logq.abs() + logp) / t
+    terms = terms + kw.get("ce_weight", 0.0) * torch.softmax(a, -1)
+    out = torch.zeros_like(z)
+    out[:, :vocab] = FP32_TERM_ULPS * abs(grad_scale) * wts[:, None] * terms * d_head
+    return out
+
+
 def assert_close(got, ref, dtype):
+    """The loss within the dtype's tolerance; each gradient row within 10x its rtol of the
+    oracle's, relative to the terms the row sums (gradient_row_scales, carried by the
+    result of run_both); d weight also per hidden unit (its columns)."""
     from tests.conftest import TOLERANCES
 
     rtol, atol = TOLERANCES[dtype]
     (lg, gg), (lr, gr) = got, ref
     torch.testing.assert_close(lg.double().cpu(), lr.double().cpu(), rtol=rtol, atol=atol)
+    row_rtol = row_tolerance(dtype)
+    scales = ref.row_scales(row_rtol, dtype)
     for name in gr:
-        a, b = gg[name].double().cpu(), gr[name].double().cpu()
-        rel = (a - b).norm() / b.norm().clamp_min(1e-30)
-        assert rel < max(rtol, 1e-7) * 10, f"grad {name}: relative error {rel:.3e}"
+        assert gg[name] is not None, f"grad {name}: none"
+        assert_rows_close(gg[name], gr[name], row_rtol, 1e-30, f"grad {name}", scales[name])
+        if name == "student_weight":
+            assert_rows_close(gg[name].T, gr[name].T, row_rtol, 1e-30,
+                              "grad student_weight columns", scales[name + " columns"])
+
+
+def row_tolerance(dtype):
+    from tests.conftest import TOLERANCES
+
+    return max(TOLERANCES[dtype][0], 1e-7) * 10
 
 
 class AllocationRecorder(torch.utils._python_dispatch.TorchDispatchMode):
@@ -201,7 +313,7 @@ def row_logit_scale(inputs, temperature):
 
 
 def assert_close_extreme(got, ref, inputs, dtype, temperature=1.0):
-    """Loss, d weight row by row, d hidden entrywise against the float64 reference.
+    """Loss, d weight row by row, d hidden entrywise against the float64 oracle.
 
     d hidden = d weight.T @ weight: each entry is held to rtol times the sum of the
     magnitudes of its products, the accuracy a dot product of rounded factors promises.

@@ -1,4 +1,4 @@
-"""linear_divergence (CPU path) at the numerical extremes, against the float64 reference.
+"""linear_divergence (CPU path) at the numerical extremes, against the float64 oracle.
 
 Confident students and teachers (a logit 20-60 above the rest), logits of +-1e4, one-hot
 teachers: the regimes where 1 - sum(q_k) cancels, where q_* (G_* - <q, G>) loses the
@@ -20,7 +20,7 @@ REGIMES = [("student", 20.0), ("student", 40.0), ("student", 60.0), ("teacher", 
 TARGETS = {"live": dict(k=None), "tail": dict(k=5, sparse_mode="tail"),
            "renormalize": dict(k=5, sparse_mode="renormalize")}
 SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, ce_weight=0.4)]
-# numpy-free, but torch warns nowhere; the reference takes log(0) in discarded branches
+# numpy-free, but torch warns nowhere; the oracle takes log(0) in discarded branches
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
 
@@ -40,7 +40,7 @@ def check(case, gap, kind, extra, target, backend, v=61, settings=SETTINGS, chun
 @pytest.mark.parametrize("case,gap", REGIMES)
 @pytest.mark.parametrize("kind,extra", KINDS)
 @pytest.mark.parametrize("target", list(TARGETS))
-def test_extremes_match_reference(case, gap, kind, extra, target):
+def test_extremes_match_the_oracle(case, gap, kind, extra, target):
     check(case, gap, kind, extra, target, "torch")
 
 

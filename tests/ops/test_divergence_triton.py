@@ -1,4 +1,4 @@
-"""The Triton row kernels (through linear_divergence) against the float64 reference.
+"""The Triton row kernels (through linear_divergence) against the float64 oracle.
 
 The small fp32 tests run everywhere: in Triton's interpreter on CPU (tests/ops/conftest.py),
 on the GPU when there is one. The `gpu` tests use realistic sizes, bf16/fp16/fp32 inputs and
@@ -11,7 +11,14 @@ import torch
 from distill.losses import linear_divergence
 from distill.ops.chunked import Tuning
 from tests.conftest import TOLERANCES
-from tests.losses.helpers import assert_close, frozen_head_grads, make_inputs, run_both
+from tests.losses.helpers import (
+    assert_close,
+    frozen_head_grads,
+    make_inputs,
+    row_tolerance,
+    run_both,
+)
+from tests.oracle import assert_rows_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = [("forward_kl", {}), ("reverse_kl", {}), ("jsd", {"beta": 0.3})]
@@ -78,10 +85,15 @@ def test_frozen_head_makes_no_weight_gradient(triton_kernels, op_path, cached):
     x = make_inputs(n=13, v=61, hs=24, ht=20, k=5 if cached else None, device=DEVICE)
     kw = dict(kind="reverse_kl", ce_weight=0.3, temperature=1.5, chunk_size=4)
     loss, got, rec = frozen_head_grads(x, _triton, ("student_hidden",), **kw)
-    ref_loss, ref = run_both(x, _triton, grad_scale=0.5, **kw)[1]
+    ref_result = run_both(x, _triton, grad_scale=0.5, **kw)[1]
+    ref_loss, ref = ref_result
     torch.testing.assert_close(loss.double().cpu(), ref_loss.cpu(), rtol=2e-5, atol=1e-6)
     torch.testing.assert_close(got["student_hidden"].double().cpu(),
                                ref["student_hidden"].cpu(), rtol=1e-4, atol=1e-6)
+    rtol = row_tolerance(torch.float32)
+    scales = ref_result.row_scales(rtol, torch.float32)
+    assert_rows_close(got["student_hidden"], ref["student_hidden"], rtol, 1e-30,
+                      "student_hidden", scales["student_hidden"])
     assert got["student_weight"] is None and (61, 24) not in rec.shapes()
     _, _, both = frozen_head_grads(x, _triton, ("student_hidden", "student_weight"), **kw)
     assert (61, 24) in both.shapes()
@@ -235,7 +247,7 @@ GPU_SHAPES = dict(n=300, v=32003, hs=256, ht=384, device="cuda")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("kind,extra", KINDS)
 @pytest.mark.parametrize("cached", [False, True])
-def test_gpu_matches_reference(op_path, dtype, kind, extra, cached):
+def test_gpu_matches_the_oracle(op_path, dtype, kind, extra, cached):
     x = make_inputs(k=64 if cached else None, dtype=dtype, **GPU_SHAPES)
     got, ref = run_both(x, _any_backend, grad_scale=0.5, kind=kind, temperature=1.5,
                         ce_weight=0.2, chunk_size=128, **extra)

@@ -1,4 +1,4 @@
-"""The Triton row kernels at the numerical extremes, against the float64 reference.
+"""The Triton row kernels at the numerical extremes, against the float64 oracle.
 
 On CPU the kernels run in Triton's interpreter (fp32, small vocabularies, two blocks per
 row so the running largest-logit bookkeeping crosses blocks); on the GPU, bf16 and fp32 at

@@ -48,15 +48,31 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+def ptxas_for_sm90() -> str | None:
+    """The ptxas Triton compiles sm_90 cubins with, or None where this install has none.
+
+    Asked of Triton before compiling, so that the compile's own failure is never read as a
+    missing tool: whatever goes wrong once ptxas is there fails the test."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        tool = get_ptxas(90)
+    except (ImportError, RuntimeError, OSError):
+        return None
+    path = getattr(tool, "path", None)
+    return path if path and os.access(path, os.X_OK) else None
+
+
+@pytest.mark.slow  # >10 s on a 2-core CPU (make test runs it)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile them for real")
 def test_row_kernels_compile_for_sm90(tmp_path):
+    if ptxas_for_sm90() is None:
+        pytest.skip("this Triton install has no ptxas for sm_90")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a real compile, not a cached cubin
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                           text=True, timeout=600, cwd=root)
-    if "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("this Triton install has no ptxas")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(json.loads(proc.stdout.strip().splitlines()[-1])) == 6

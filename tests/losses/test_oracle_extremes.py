@@ -1,13 +1,12 @@
-"""The float64 oracle itself at the extremes: two categories, where the divergences and
-their derivatives have closed forms computed here without any softmax."""
+"""The float64 oracle (tests/oracle.py) itself at the extremes: two categories, where the
+divergences and their derivatives have closed forms computed here without any softmax."""
 
 import math
 
 import pytest
 import torch
 
-from distill.ops.spec import TAIL_FLOOR, DivergenceSpec
-from tests.reference import reference_per_token_loss
+from tests.oracle import TAIL_FLOOR, oracle_per_token
 
 BETA = 0.3
 
@@ -43,25 +42,24 @@ def _teacher(y):
 @pytest.mark.parametrize("gap", [20.0, 40.0, 60.0])
 @pytest.mark.parametrize("teacher", ["same", "opposite", "flat"])
 @pytest.mark.parametrize("cached", [False, True])
-def test_reference_is_exact_for_two_categories(kind, gap, teacher, cached):
+def test_oracle_is_exact_for_two_categories(kind, gap, teacher, cached):
     """Confident student (gap 20-60) against a teacher confident on the same category, on
     the other, or nearly flat; live (V = 2) and cached (K = 1: the tail is the other
     category). The loss and the gradient match the closed form to 1e-12 relative, though
     the gradient is as small as exp(-60) ~ 1e-26."""
     y = {"same": gap - 3.0, "opposite": -gap, "flat": 0.3}[teacher]
     lp1, lp2 = _teacher(y)
-    if cached and kind == "reverse_kl":  # the spec floors the teacher's tail bucket
+    if cached and kind == "reverse_kl":  # the contract floors the teacher's tail bucket
         lp2 = max(lp2, math.log(TAIL_FLOOR))
     want_loss, want_grad = _closed_form(gap, lp1, lp2, kind)
-    spec = DivergenceSpec(kind, beta=BETA)
     z = torch.tensor([[gap, 0.0]], dtype=torch.float64, requires_grad=True)
     if cached:
-        loss = reference_per_token_loss(z, target_ids=torch.tensor([[0]]),
-                                        target_logprobs=torch.tensor([[lp1]], dtype=torch.float64),
-                                        spec=spec)
+        loss, _ = oracle_per_token(z, target_ids=torch.tensor([[0]]),
+                                   target_logprobs=torch.tensor([[lp1]], dtype=torch.float64),
+                                   kind=kind, beta=BETA)
     else:
-        loss = reference_per_token_loss(z, torch.tensor([[y, 0.0]], dtype=torch.float64),
-                                        spec=spec)
+        loss, _ = oracle_per_token(z, torch.tensor([[y, 0.0]], dtype=torch.float64), kind=kind,
+                                   beta=BETA)
     loss.sum().backward()
     torch.testing.assert_close(loss[0], want_loss, rtol=1e-12, atol=0)
     torch.testing.assert_close(z.grad[0, 0], want_grad, rtol=1e-12, atol=0)
