@@ -1,6 +1,7 @@
 """Every command of the README, run as written on CPU: its placeholder folders swapped for
 tiny saved models and data, a couple of steps instead of hundreds (the README's hf_sft and
-LoRA commands run in tests/test_families.py and tests/test_lora.py)."""
+LoRA commands run in tests/test_families.py and tests/test_lora.py, the cross-tokenizer one
+in tests/xtok/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from tests.readme import bash_commands, python_blocks, swapped
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["trainer.max_steps=2", "trainer.val_check_interval=2"]
-COVERED = ("data.train='[{name: mine", "student.lora.r=16")  # run by the tests named above
+# run by the tests named above, and tests/xtok/test_cli.py (another tokenizer)
+COVERED = ("data.train='[{name: mine", "student.lora.r=16", "loss.cross_tokenizer=")
 COMMANDS = [c for c in bash_commands() if not any(part in c for part in COVERED)]
 
 

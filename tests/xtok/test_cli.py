@@ -76,6 +76,22 @@ def test_cross_tokenizer_run_trains_and_exports(folders, student, teacher, mode,
     assert exported.get("eos_token") == own.get("eos_token")
 
 
+def test_the_readme_cross_tokenizer_command_runs_as_written(folders, compose_cfg, tmp_path):
+    """The README's command, its placeholder folders swapped for the tiny Qwen / Llama-3 pair."""
+    from tests.readme import cpu_overrides, readme_commands
+
+    (command,) = [c for c in readme_commands() if "loss.cross_tokenizer=" in c]
+    swap = {"/models/Qwen2.5-0.5B": str(folders["qwen"]),
+            "/models/Llama-3.2-3B-Instruct": str(folders["llama3"]),
+            "/data/chat": str(folders["data"])}
+    overrides = cpu_overrides(command, swap)
+    cfg = compose_cfg("+experiment=hf_sft", *overrides, "trainer.max_steps=2",
+                      "trainer.val_check_interval=2", "data.max_length=96",
+                      out=tmp_path / "run")
+    summary = train(cfg)
+    assert summary["global_step"] == 2 and "val/loss" in summary["metrics"]
+
+
 def test_without_cross_tokenizer_the_pair_is_refused(folders, compose_cfg):
     with pytest.raises(ValueError, match="differ in the vocabularies .*cross-tokenizer "
                        r"distillation \(loss.cross_tokenizer=hybrid\)"):
