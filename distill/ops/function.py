@@ -54,25 +54,32 @@ class _LinearDivergence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if ctx.grads is None:
-            raise RuntimeError("linear_divergence: backward through the same loss twice; "
-                               "its gradients were computed once, in forward")
-        grad_h, grad_w, grad_b = ctx.grads
-        ctx.grads = None
-        # scaled in place (a copy of grad_w would cost its size), and only if
-        # grad_out != 1: on the Triton path a kernel reads grad_out on the device, so
-        # backward does not wait for the forward's GPU work (no host sync)
-        grads = [g for g in (grad_h, grad_w, grad_b) if g is not None]
-        if ctx.triton and all(g.is_contiguous() for g in grads):
-            from distill.ops import divergence_triton
+        grads = take_grads(ctx, grad_out, "linear_divergence")
+        return (*grads, None, None, None, None, None, None, None)
 
-            divergence_triton.scale_(grads, grad_out)
-        elif bool(grad_out != 1):
-            for g in grads:
-                g.mul_(grad_out.to(g.dtype))
-        if grad_w is not None:
-            grad_w = grad_w.to(ctx.weight_dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
+
+def take_grads(ctx, grad_out, name: str) -> tuple:
+    """The (hidden, weight, bias) gradients a Function computed in its forward, released
+    from `ctx` (a second backward is refused) and scaled by `grad_out`: in place (a copy of
+    grad_w would cost its size), and only if grad_out != 1. On the Triton path
+    (`ctx.triton`) a kernel reads grad_out on the device, so backward does not wait for
+    the forward's GPU work (no host sync)."""
+    if ctx.grads is None:
+        raise RuntimeError(f"{name}: backward through the same loss twice; its gradients "
+                           "were computed once, in forward")
+    grad_h, grad_w, grad_b = ctx.grads
+    ctx.grads = None
+    grads = [g for g in (grad_h, grad_w, grad_b) if g is not None]
+    if getattr(ctx, "triton", False) and all(g.is_contiguous() for g in grads):
+        from distill.ops import divergence_triton
+
+        divergence_triton.scale_(grads, grad_out)
+    elif bool(grad_out != 1):
+        for g in grads:
+            g.mul_(grad_out.to(g.dtype))
+    if grad_w is not None:
+        grad_w = grad_w.to(ctx.weight_dtype)
+    return grad_h, grad_w, grad_b
 
 
 def _ce_sum(parts: dict | None, spec: DivergenceSpec):

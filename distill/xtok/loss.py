@@ -22,6 +22,7 @@ import torch
 
 from distill.constants import IGNORE_INDEX
 from distill.losses.fused import outside_autocast
+from distill.ops.function import take_grads
 from distill.ops.spec import DivergenceSpec, HeadTransform
 from distill.xtok.op import Plan, TeacherSide, xtok_rows
 from distill.xtok.vocab import VocabMap
@@ -41,18 +42,7 @@ class _CrossTokenizer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if ctx.grads is None:
-            raise RuntimeError("cross_tokenizer_divergence: backward through the same loss "
-                               "twice; its gradients were computed once, in forward")
-        grad_h, grad_w, grad_b = ctx.grads
-        ctx.grads = None
-        if bool(grad_out != 1):
-            for g in (grad_h, grad_w, grad_b):
-                if g is not None:
-                    g.mul_(grad_out.to(g.dtype))
-        if grad_w is not None:
-            grad_w = grad_w.to(ctx.weight_dtype)
-        return grad_h, grad_w, grad_b, None, None, None
+        return (*take_grads(ctx, grad_out, "cross_tokenizer_divergence"), None, None, None)
 
 
 def _expand(lo: torch.Tensor, hi: torch.Tensor):
