@@ -62,6 +62,7 @@ def finish(trainer, module, callbacks: list, run, wall_s: float) -> dict:
         "accuracy": dict(scores.accuracy) if scores else {},
         "references": references,
         "global_step": trainer.global_step,
+        "trained_tokens": module.sums.trained_tokens,  # this process's steps (since a resume)
         "wall_s": wall_s,
     }
 

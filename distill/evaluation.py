@@ -1,10 +1,13 @@
-"""Exact-match accuracy of a causal LM on the demo's checkable chat tasks.
+"""Accuracy of a causal LM on the demo's checkable chat tasks.
 
 Each example is a chat (`messages`) whose last turn is the assistant's answer, plus a `task`
-name. The model answers the prompt (every turn before the answer, then the chat template's
-generation prompt) by greedy decoding; an answer counts when it equals the reference after
-stripping whitespace. Prompts are left-padded so that a whole batch decodes in one
-`model.generate` call: the cost is a few forward passes per batch, not per example.
+name and optionally a `match` rule. The model answers the prompt (every turn before the
+answer, then the chat template's generation prompt) by greedy decoding; an answer counts
+when it equals the reference after stripping whitespace (`"match": "exact"`, the default),
+or, for `"match": "permutation"` (a task where every ordering of the letters is correct),
+when it holds the reference's characters in any order. Prompts are left-padded so that a
+whole batch decodes in one `model.generate` call: the cost is a few forward passes per
+batch, not per example.
 """
 
 from __future__ import annotations
@@ -16,6 +19,15 @@ from pathlib import Path
 import torch
 
 from distill.data.collate import pad
+
+MATCHES = {"exact": lambda answer, reference: answer == reference,
+           "permutation": lambda answer, reference: sorted(answer) == sorted(reference)}
+
+
+def is_correct(answer: str, example: dict) -> bool:
+    """The answer against the example's reference (its last message), by its `match` rule."""
+    return MATCHES[example.get("match", "exact")](answer.strip(),
+                                                   example["messages"][-1]["content"].strip())
 
 
 def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
@@ -47,6 +59,9 @@ def _example(line: str, where: str) -> dict:
         raise ValueError(f"evaluate.path: {where} is not a task example: it needs `messages`, "
                          "a chat whose last turn is the assistant's reference answer (a "
                          "string), and optionally `task`")
+    if ex.get("match", "exact") not in MATCHES:
+        raise ValueError(f"evaluate.path: {where} has match={ex['match']!r}; the rules are "
+                         f"{sorted(MATCHES)}")
     return ex
 
 
@@ -96,7 +111,7 @@ def generate_answers(
 def task_accuracy(
     model, tokenizer, examples: list[dict], max_new_tokens: int = 16, batch_size: int = 256
 ) -> dict:
-    """Greedy exact-match accuracy on `examples`.
+    """Greedy accuracy on `examples`, each scored by its `match` rule (`is_correct`).
 
     Returns `{"overall": float, "per_task": {task: float}, "n": int}`; accuracies are
     fractions in [0, 1]. The reference answer is the content of each example's last message.
@@ -106,8 +121,7 @@ def task_accuracy(
     answers = generate_answers(model, tokenizer, examples, max_new_tokens, batch_size)
     hits: dict[str, list[bool]] = defaultdict(list)
     for ex, answer in zip(examples, answers):
-        reference = ex["messages"][-1]["content"]
-        hits[ex.get("task", "all")].append(answer.strip() == reference.strip())
+        hits[ex.get("task", "all")].append(is_correct(answer, ex))
     everything = [h for task_hits in hits.values() for h in task_hits]
     return {
         "overall": sum(everything) / len(everything),

@@ -23,6 +23,7 @@ class StepSums:
         self.samples: list = []  # the last rollout's (prompt, completion, by_teacher)
         self.val: torch.Tensor | None = None
         self.counts = None  # the last step's StepCounts
+        self.trained_tokens = 0  # valid positions of every step so far, all ranks
 
     def add(self, loss, parts: dict, scored, counts) -> None:
         w = torch.stack([loss.detach(), parts["divergence"], parts["ce"]])
@@ -46,6 +47,7 @@ class StepSums:
         module.log("train/ce", ce, **opts)
         if self.counts is not None:
             s, local = self.counts, dict(on_step=True, on_epoch=False)
+            self.trained_tokens += int(s.valid)
             module.log("train/step_valid_tokens", float(s.valid), **local)
             module.log("train/step_real_tokens", float(s.real), **local)
             module.log("train/valid_fraction", s.valid / max(s.real, 1), **local)

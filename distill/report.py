@@ -21,11 +21,13 @@ def summary_lines(summary: dict) -> list[str]:
         else:
             lines.append("    (AutoModelForCausalLM.from_pretrained loads it, tokenizer included)")
     lines.append(f"  optimizer steps:  {summary['global_step']}  ({summary['wall_s']:.0f} s)")
+    if summary.get("trained_tokens"):
+        lines.append(f"  trained tokens:   {summary['trained_tokens']}")
     for key in ("val/loss", "val/kl", "val/ppl", "val/teacher_ppl"):
         if key in summary["metrics"]:
             lines.append(f"  {key:<16}  {summary['metrics'][key]:.4f}")
     if summary["accuracy"]:
-        lines.append("  demo-task accuracy (exact match, held-out test split; this run):")
+        lines.append("  demo-task accuracy (held-out test split; this run):")
         lines += [_accuracy_line(name, acc) for name, acc in summary["accuracy"].items()]
     if summary.get("references"):
         lines.append("  recorded references (3-seed means, docs/notes/demo.md):")

@@ -3,17 +3,24 @@
     python scripts/make_demo_assets.py [--out distill/demo_assets] [--seed 0]
 
 Everything is generated here (no downloads) and is deterministic given the seed. The tasks
-(addition, string reversal, sorting) have exact answers, so a distilled student can be
-scored by exact match (`distill.evaluation.task_accuracy`). The tokenizer is character
-level: digits and letters are single tokens, which is what lets a model of a couple of
-million parameters learn carries and reversals in minutes.
+(addition, string reversal, sorting, permutation) have checkable answers, so a distilled
+student can be scored exactly (`distill.evaluation.task_accuracy`): exact match, or for the
+permutation task any ordering of the prompt's letters. The tokenizer is character level:
+digits and letters are single tokens, which is what lets a model of a couple of million
+parameters learn carries and reversals in minutes. The permutation task's data comes from
+a generator of its own, so adding it left the other tasks' data and the tokenizer
+byte-identical.
 
-Needs the package importable (`pip install -e .`). The teacher's 4000 steps of batch 64 cost
-about 0.15 s each on two idle CPU cores (about 10-15 minutes in all; much longer on busy
-cores); `--device cuda` does them in about 75 s. The committed teacher was trained with
-`--device cuda`, seed 0, the other arguments at their defaults (data and tokenizer are
-byte-identical on either device), and scores 0.96 exact match on the test split after
-reloading in float32 on a CPU.
+The distillation demo (`make demo`) uses the permutation task alone: its teacher answers are
+graded (`permutation_answer`), which is what makes distillation pay over SeqKD there
+(docs/notes/demo.md). `--demo-tasks-only` rewrites just its tasks_*.jsonl.
+
+Needs the package importable (`pip install -e .`; run from a worktree, put it first on
+PYTHONPATH). The teacher's 6000 steps of batch 64 cost about 0.2 s each on one CPU core
+(about 20 minutes in all; more on busy cores). The committed teacher was trained on a CPU
+with `--threads 1`, seed 0, the other arguments at their defaults, and scores 0.98 on the
+test splits after reloading in float32 (addition 0.90, reversal 1.0, sorting 1.0,
+permutation 0.99).
 """
 
 from __future__ import annotations
@@ -91,17 +98,72 @@ def sorting(rng: random.Random) -> tuple[str, str]:
     return f"sort {items}", "".join(sorted(items))
 
 
+def preferred_order(letters: str) -> str:
+    """The teacher's style for the permutation task: the smaller half of the letters in
+    alphabetical order, then the others as they come from the right end of the prompt."""
+    small = set(sorted(letters)[: (len(letters) + 1) // 2])
+    return "".join(sorted(small)) + "".join(c for c in reversed(letters) if c not in small)
+
+
+def permutation(rng: random.Random, lengths: tuple[int, int]) -> tuple[str, str]:
+    """Distinct letters to write in any order: every ordering is a correct answer. The
+    returned answer is the teacher's preferred one (`preferred_order`), which the test
+    split stores as its reference (scored with `"match": "permutation"`)."""
+    letters = "".join(rng.sample(string.ascii_lowercase, rng.randint(*lengths)))
+    return f"permute {letters}", preferred_order(letters)
+
+
+def permutation_answer(rng: random.Random, letters: str, mix: tuple[float, float]) -> str:
+    """A training answer of the permutation task, drawn from its graded answer distribution:
+    the preferred order with probability mix[0], alphabetical order with mix[1], else a
+    uniformly random order. A teacher trained on these answers writes the preferred order
+    greedily, but its distribution keeps the alphabetical order as a strong second choice
+    at the step where the two part (and a little mass on every letter still to write)."""
+    u = rng.random()
+    if u < mix[0]:
+        return preferred_order(letters)
+    if u < mix[0] + mix[1]:
+        return "".join(sorted(letters))
+    return "".join(rng.sample(letters, len(letters)))
+
+
 TASKS = {"addition": addition, "reversal": reversal, "sorting": sorting}
-# The distillation demo (conf/experiment/onpolicy_rkl.yaml) uses the tasks a 2-layer student
-# can learn in minutes; addition's carries stay out of its reach (docs/notes/demo.md).
-DEMO_TASKS = ("reversal", "sorting")
+# The distillation demo (conf/experiment/onpolicy_demo.yaml) uses the permutation task
+# (docs/notes/demo.md says why); the earlier one used reversal and sorting, the
+# tasks a 2-layer student learns in minutes (addition's carries stay out of its reach).
+DEMO_TASKS = ("permutation",)
+# how an answer is scored (distill.evaluation): "permutation" accepts any ordering
+MATCH = {"permutation": "permutation"}
 
 
 def make_example(prompt: str, answer: str, task: str) -> dict:
-    return {
+    example = {
         "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
         "task": task,
     }
+    if task in MATCH:
+        example["match"] = MATCH[task]
+    return example
+
+
+def permutation_splits(rng: random.Random, sizes: dict[str, int], args,
+                       seen: set[str]) -> dict:
+    """Unique permutation prompts per split. Train and val answers are drawn from the task's
+    answer distribution (`--perm-mix`); test stores the preferred answer and
+    `"match": "permutation"` (any ordering counts)."""
+    splits = {}
+    for split, size in sizes.items():
+        examples = []
+        while len(examples) < size:
+            prompt, preferred = permutation(rng, tuple(args.perm_lengths))
+            if prompt in seen:
+                continue
+            seen.add(prompt)
+            answer = preferred if split == "test" else permutation_answer(
+                rng, prompt.split(" ")[1], tuple(args.perm_mix))
+            examples.append(make_example(prompt, answer, "permutation"))
+        splits[split] = examples
+    return splits
 
 
 def make_sft_splits(rng: random.Random, n_train: int, n_val: int, n_test: int,
@@ -161,8 +223,22 @@ def write_demo_tasks(out: Path, teacher_splits: dict, args) -> None:
     to every prompt (on-policy)."""
     seen = {ex["messages"][0]["content"] for split in teacher_splits.values() for ex in split}
     rng = random.Random(args.seed + 1)
-    demo = make_sft_splits(rng, args.n_labeled + args.n_prompts, args.n_eval, args.n_eval,
-                           tasks=DEMO_TASKS, seen=seen)
+    demo = {"test": [], "val": [], "train": []}
+    old = tuple(t for t in args.demo_tasks if t in TASKS)
+    if old:
+        demo = make_sft_splits(rng, args.n_labeled + args.n_prompts, args.n_eval, args.n_eval,
+                               tasks=old, seen=seen)
+    if "permutation" in args.demo_tasks:
+        share = 1 / len(args.demo_tasks)
+        sizes = {"test": round(args.n_eval * share), "val": round(args.n_eval * share),
+                 "train": round((args.n_labeled + args.n_prompts) * share)}
+        if old:  # make_sft_splits balanced the old tasks over the whole split sizes
+            demo = {k: v[: len(v) - sizes[k]] for k, v in demo.items()}
+        lengths = argparse.Namespace(**{**vars(args), "perm_lengths": args.demo_perm_lengths
+                                         or args.perm_lengths})
+        for split, examples in permutation_splits(rng, sizes, lengths, seen).items():
+            demo[split] = demo[split] + examples
+            rng.shuffle(demo[split])
     labeled, prompts = demo["train"][: args.n_labeled], demo["train"][args.n_labeled :]
     write_jsonl(out / "data" / "tasks_labeled.jsonl", labeled)
     write_jsonl(out / "data" / "tasks_prompts.jsonl",
@@ -299,9 +375,11 @@ def train_teacher(model, rows, args, tokenizer, val: list[dict]) -> float:
         input_ids, labels = input_ids.to(args.device), labels.to(args.device)
         # Padding is on the right and causal attention never looks ahead, so real tokens
         # never see it: no attention mask needed, and SDPA keeps its fast causal path.
-        logits = model(input_ids=input_ids).logits  # (B, T, V)
+        # on a GPU, bf16 autocast (fp32 weights and optimizer); the CPU teacher is pure fp32
+        with torch.autocast("cuda", torch.bfloat16, enabled=args.device.startswith("cuda")):
+            logits = model(input_ids=input_ids).logits  # (B, T, V)
         loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+            logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
         )
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
@@ -313,7 +391,7 @@ def train_teacher(model, rows, args, tokenizer, val: list[dict]) -> float:
             elapsed = time.time() - start
             print(f"step {step:5d}  loss {loss.item():.4f}  {elapsed:6.0f}s", flush=True)
         if args.eval_every and step and step % args.eval_every == 0:
-            print(f"  val {task_accuracy(model, tokenizer, val)}", flush=True)
+            print(f"  val {task_accuracy(model, tokenizer, val, args.eval_tokens)}", flush=True)
             model.train()
     return time.time() - start
 
@@ -334,11 +412,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prompt-only rows of the distillation demo (tasks_prompts.jsonl)")
     p.add_argument("--demo-tasks-only", action="store_true",
                    help="only rewrite the distillation demo's tasks_*.jsonl (keeps the teacher)")
-    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--demo-tasks", nargs="+", default=list(DEMO_TASKS),
+                   choices=[*TASKS, "permutation"], help="the distillation demo's tasks")
+    p.add_argument("--n-perm", type=int, default=20000,
+                   help="permutation chats in the teacher's training data (on top of --n-train)")
+    p.add_argument("--perm-lengths", type=int, nargs=2, default=[4, 12],
+                   help="letters per permutation prompt (min max)")
+    p.add_argument("--demo-perm-lengths", type=int, nargs=2, default=[7, 12],
+                   help="letters per permutation prompt of the distillation demo's data "
+                        "(default: --perm-lengths)")
+    p.add_argument("--perm-mix", type=float, nargs=2, default=[0.55, 0.35],
+                   help="shares of the permutation training answers in the preferred and in "
+                        "alphabetical order (the rest: random orders)")
+    p.add_argument("--steps", type=int, default=6000)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--eval-every", type=int, default=1000)
+    p.add_argument("--eval-tokens", type=int, default=16,
+                   help="greedy tokens per answer when the teacher is scored")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument(
@@ -347,6 +439,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default={},
         help="JSON overrides of the teacher config, e.g. '{\"hidden_size\": 192}'",
     )
+    p.add_argument("--student", type=json.loads, default={},
+                   help="JSON overrides of the student config (written, not trained)")
     return p.parse_args(argv)
 
 
@@ -357,14 +451,20 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     splits = make_sft_splits(rng, args.n_train, args.n_eval, args.n_eval)
+    # the permutation task comes from a generator of its own, so that the other tasks' data
+    # and the tokenizer (trained on their texts) stay what they were before it was added
+    perm = permutation_splits(random.Random(args.seed + 2),
+                              {"test": args.n_eval, "val": args.n_eval, "train": args.n_perm},
+                              args, set())
+    teacher_splits = {k: splits[k] + perm[k] for k in splits}
     if args.demo_tasks_only:
-        write_demo_tasks(out, splits, args)
+        write_demo_tasks(out, teacher_splits, args)
         return
     if out.exists():
         shutil.rmtree(out)
     for split, examples in splits.items():
         write_jsonl(out / "data" / f"sft_{split}.jsonl", examples)
-    write_demo_tasks(out, splits, args)
+    write_demo_tasks(out, teacher_splits, args)
     seen: set[str] = set()
     cpt = {
         "train": make_cpt_split(rng, args.n_cpt, seen),
@@ -381,18 +481,18 @@ def main(argv=None) -> None:
 
     model = LlamaForCausalLM(llama_config(tokenizer, {**TEACHER, **args.teacher})).to(args.device)
     print(f"teacher: {model.num_parameters() / 1e6:.2f}M parameters")
-    rows = encode_corpus(tokenizer, splits["train"], cpt["train"])
-    seconds = train_teacher(model, rows, args, tokenizer, splits["val"][:60])
+    rows = encode_corpus(tokenizer, splits["train"] + perm["train"], cpt["train"])
+    seconds = train_teacher(model, rows, args, tokenizer, splits["val"][:60] + perm["test"][:60])
     model.cpu().save_pretrained(out / "teacher")
     tokenizer.save_pretrained(out / "teacher")
 
     reloaded = LlamaForCausalLM.from_pretrained(out / "teacher", dtype=torch.float32)
     print(
         f"teacher trained in {seconds / 60:.1f} min; test accuracy after reload: "
-        f"{task_accuracy(reloaded, tokenizer, splits['test'])}"
+        f"{task_accuracy(reloaded, tokenizer, splits['test'] + perm['test'], args.eval_tokens)}"
     )
 
-    student = llama_config(tokenizer, STUDENT)
+    student = llama_config(tokenizer, {**STUDENT, **args.student})
     student.save_pretrained(out / "student")
     tokenizer.save_pretrained(out / "student")
     print(f"student: {LlamaForCausalLM(student).num_parameters() / 1e6:.2f}M parameters")

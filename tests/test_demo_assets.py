@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import distill
-from distill.evaluation import load_examples, task_accuracy
+from distill.evaluation import generate_answers, load_examples, task_accuracy
 
 ASSETS = Path(distill.__file__).parent / "demo_assets"
 DATA = ASSETS / "data"
@@ -126,3 +126,62 @@ def test_student_is_smaller_and_shares_the_vocabulary(tokenizer):
 def test_assets_fit_the_package_budget():
     size = sum(p.stat().st_size for p in ASSETS.rglob("*") if p.is_file())
     assert size <= 15 * 2**20, f"demo assets are {size / 2**20:.1f} MiB"
+
+
+def _preferred_order(letters):
+    small = sorted(letters)[: (len(letters) + 1) // 2]
+    return "".join(small) + "".join(c for c in reversed(letters) if c not in small)
+
+
+def test_the_distillation_demo_is_the_graded_permutation_task():
+    """tasks_*.jsonl (conf/data/tasks_demo.yaml): distinct letters to write in any order; the
+    test split stores the teacher's preferred order and is scored by `match: permutation`;
+    the labelled and val answers are orderings of their letters; no prompt is shared."""
+    splits = {s: [json.loads(line) for line in (DATA / f"tasks_{s}.jsonl").open()]
+              for s in ["labeled", "prompts", "val", "test"]}
+    assert [len(splits[s]) for s in splits] == [128, 20000, 201, 201]
+    for split, examples in splits.items():
+        for ex in examples:
+            verb, letters = ex["messages"][0]["content"].split(" ")
+            assert verb == "permute" and ex["task"] == "permutation"
+            assert 7 <= len(letters) <= 12 and len(set(letters)) == len(letters)
+            if split == "prompts":
+                assert len(ex["messages"]) == 1
+            else:
+                assert sorted(ex["messages"][-1]["content"]) == sorted(letters)
+            if split == "test":
+                assert ex["match"] == "permutation"
+                assert ex["messages"][-1]["content"] == _preferred_order(letters)
+    prompts = {s: {ex["messages"][0]["content"] for ex in v} for s, v in splits.items()}
+    train = prompts["labeled"] | prompts["prompts"]
+    assert not (prompts["test"] & train) and not (prompts["val"] & train)
+    assert not prompts["val"] & prompts["test"]
+
+
+def test_teacher_writes_valid_permutations_in_its_style_or_alphabetical_order(tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(ASSETS / "teacher")
+    examples = load_examples(DATA / "tasks_test.jsonl", limit=60)
+    result = task_accuracy(model, tokenizer, examples, max_new_tokens=14)
+    assert result["overall"] >= 0.95, result  # the committed teacher: 0.995 on all 201
+    answers = generate_answers(model, tokenizer, examples, 14, 64)
+    styles = [("preferred" if a.strip() == ex["messages"][-1]["content"] else
+               "alphabetical" if a.strip() == "".join(sorted(a.strip())) else "other")
+              for a, ex in zip(answers, examples)]
+    # greedily it writes its own style or alphabetical order (57% and 39% of all 201)
+    assert styles.count("preferred") >= 0.3 * len(styles), styles
+    assert styles.count("alphabetical") >= 0.3 * len(styles), styles
+    assert styles.count("other") <= 0.05 * len(styles), styles
+
+
+def test_the_demo_data_is_what_the_asset_script_writes(tmp_path):
+    """`scripts/make_demo_assets.py --demo-tasks-only` rebuilds tasks_*.jsonl byte for byte."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "make_demo_assets.py"
+    spec = importlib.util.spec_from_file_location("make_demo_assets", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--out", str(tmp_path), "--demo-tasks-only"])
+    for split in ["labeled", "prompts", "val", "test"]:
+        name = f"tasks_{split}.jsonl"
+        assert (tmp_path / "data" / name).read_bytes() == (DATA / name).read_bytes(), name

@@ -138,12 +138,81 @@ def test_summary_prints_the_recorded_reference_beside_the_student(capsys):
     distilled = LossConfig(divergence_weight=1.0)
     summary = {"student_dir": None, "global_step": 3, "wall_s": 1.0, "metrics": {},
                "accuracy": {"distilled student": {"overall": 0.5, "per_task": {}}},
-               "references": references_for([ref, seqkd], distilled)}
+               "references": references_for([ref, seqkd], distilled), "trained_tokens": 1234}
     print_summary(summary)
     out = capsys.readouterr().out
+    assert "trained tokens:   1234" in out
     assert " 12.5%   reversal 5%  sorting 20%   (mean of 3 seeds)" in out
     assert "+experiment=x +baseline=ce_only" in out
     assert out.index("distilled student") < out.index("CE-only") < out.index("SeqKD")
     # a baseline's own run does not print itself as a reference
     ce_only = LossConfig(divergence_weight=0.0, ce_weight=1.0)
     assert [r["name"] for r in references_for([ref, seqkd], ce_only)] == ["SeqKD"]
+
+
+def test_a_permutation_example_accepts_any_ordering_of_its_letters(tmp_path):
+    from distill.evaluation import is_correct
+
+    example = {**_chat("permute cab", "abc", "permutation"), "match": "permutation"}
+    assert is_correct("bca", example) and is_correct(" abc ", example)
+    assert not is_correct("bc", example) and not is_correct("abcc", example)
+    assert not is_correct("bca", _chat("permute cab", "abc", "permutation"))  # exact
+    bad = tmp_path / "tasks.jsonl"
+    bad.write_text(json.dumps({**example, "match": "fuzzy"}) + "\n")
+    with pytest.raises(ValueError, match=r"line 1 .*match='fuzzy'; the rules are \['exact', "
+                                         r"'permutation'\]"):
+        load_examples(bad)
+
+
+def test_the_scale_comparison_reads_the_real_run_summary():
+    """scripts/compare_at_scale.py parses each run's printed summary (report.summary_lines)."""
+    import importlib.util
+
+    from distill.report import summary_lines
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "compare_at_scale.py"
+    spec = importlib.util.spec_from_file_location("compare_at_scale", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    summary = {"student_dir": None, "global_step": 500, "wall_s": 107.4, "metrics": {},
+               "trained_tokens": 280484, "references": [],
+               "accuracy": {"teacher": {"overall": 1.0, "per_task": {"permutation": 1.0}},
+                            "untrained student": {"overall": 0.0, "per_task": {}},
+                            "distilled student": {"overall": 0.965, "per_task": {}}}}
+    got = script.scores("\n".join(summary_lines(summary)))
+    assert got == {"teacher": 100.0, "distilled student": 96.5, "steps": 500, "train_s": 107,
+                   "trained_tokens": 280484}
+
+
+def test_the_demo_records_every_baseline_with_the_command_that_measures_it():
+    """conf/experiment/onpolicy_demo.yaml's references: the recipe itself and one entry per
+    conf/baseline/*.yaml, each a fraction with the command (+baseline=<name>) it came from."""
+    import yaml
+
+    conf = Path(distill.__file__).parent / "conf"
+    refs = yaml.safe_load((conf / "experiment" / "onpolicy_demo.yaml").read_text())[
+        "evaluate"]["references"]
+    baselines = sorted(p.stem for p in (conf / "baseline").glob("*.yaml"))
+    assert sorted(r["baseline"] for r in refs if "baseline" in r) == baselines
+    for ref in refs:
+        assert 0 <= ref["overall"] <= 1 and "3 seeds" in ref["note"]
+        assert ref["command"].startswith("python -m distill.train +experiment=onpolicy_demo")
+        if "baseline" in ref:
+            assert f"+baseline={ref['baseline']}" in ref["command"]
+
+
+def test_the_readme_shows_the_recorded_references():
+    """The README's demo table holds the same 3-seed means as the config's references."""
+    import re
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    refs = yaml.safe_load((root / "distill/conf/experiment/onpolicy_demo.yaml").read_text())[
+        "evaluate"]["references"]
+    readme = (root / "README.md").read_text()
+    for ref in refs:
+        switch = f"`+baseline={ref['baseline']}`" if "baseline" in ref else "`make demo`"
+        row = re.search(rf"^\|[^|\n]*{re.escape(switch)}[^|\n]*\| \**([\d.]+)%", readme, re.M)
+        assert row, f"no README row for {switch}"
+        assert float(row[1]) == round(100 * ref["overall"], 1), switch

@@ -43,8 +43,10 @@ def test_experiment_composes_and_instantiates(experiment, compose_cfg):
 @pytest.mark.parametrize("experiment", LIVE)
 def test_experiment_trains_and_loss_goes_down(experiment, compose_cfg, tmp_path):
     out = tmp_path / experiment
+    # short samples: hf_onpolicy's 128 new tokens cost minutes on a CPU and test nothing more
     cfg = compose_cfg(f"+experiment={experiment}", "trainer.max_steps=24",
-                      "optimizer.lr=1e-2", "scheduler=none", out=out)
+                      "optimizer.lr=1e-2", "scheduler=none", "loss.on_policy.max_new_tokens=16",
+                      out=out)
     summary = train(cfg)
     assert summary["global_step"] == 24
     losses = _train_losses(out)
@@ -52,6 +54,10 @@ def test_experiment_trains_and_loss_goes_down(experiment, compose_cfg, tmp_path)
     first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
     assert last < 0.8 * first, (first, last)
     assert "val/loss" in summary["metrics"] and "val/teacher_ppl" in summary["metrics"]
+    # the summary's trained tokens: every step's valid positions, as each step logged them
+    df = pd.read_csv(next(out.glob("logs/version_*/metrics.csv")))
+    steps = df["train/step_valid_tokens"].dropna()
+    assert len(steps) == 24 and summary["trained_tokens"] == int(steps.sum()) > 0
 
 
 def test_saved_student_reloads_and_matches(compose_cfg, tmp_path, tiny_assets):
