@@ -22,15 +22,16 @@ def instantiate(node, **kwargs):
         raise
 
 
-def build_callbacks(cfg, run, tokenizer) -> list:
+def build_callbacks(cfg, run, tokenizer, teacher_tokenizer=None) -> list:
     """The configured callbacks (callbacks.<name>=null drops one), the export given the
-    tokenizer, and the demo-task scoring when `evaluate` names a task set."""
+    tokenizer, and the demo-task scoring when `evaluate` names a task set (the teacher
+    scored on its own tokenizer where it has one: cross-tokenizer runs)."""
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
     for cb in callbacks:
         if hasattr(cb, "tokenizer") and cb.tokenizer is None:
             cb.tokenizer = tokenizer
     if run is not None and run.evaluate is not None:
-        callbacks.append(TaskAccuracy(run.evaluate, tokenizer))
+        callbacks.append(TaskAccuracy(run.evaluate, tokenizer, teacher_tokenizer))
     return callbacks
 
 

@@ -56,7 +56,8 @@ def train(cfg: DictConfig, *, student=None, teacher=None) -> dict:
         data = DistillDataModule(tokenizer, run.data, cross=cross)
         data.setup("fit")  # every row: data errors name their file and row
         check_positions(longest(data.train_examples, data.val_set), model_paths(run, cross))
-        callbacks = assemble.build_callbacks(cfg, run, tokenizer)
+        callbacks = assemble.build_callbacks(cfg, run, tokenizer,
+                                             cross.teacher_tokenizer if cross else None)
         ckpt_path = resolve_ckpt_path(run.ckpt_path, callbacks)
         student = student if student is not None else load_student(run.student)
         check_resume(ckpt_path, student, run.student.name_or_path)  # before the teacher

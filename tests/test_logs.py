@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import warnings
 from types import SimpleNamespace
 
@@ -247,7 +248,10 @@ def test_a_resumed_run_continues_its_wandb_run(compose_cfg, tmp_path, monkeypatc
     train(compose_cfg(*common, "trainer.max_steps=3", "ckpt_path=last", out=out))
     run_id = (out / "wandb/distill_run_id").read_text().strip()
     runs = sorted(p.name for p in out.glob("wandb/offline-run-*"))
-    assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs), runs
+    # wandb names a run's folder offline-run-<time>-<id>, with -1 added when two start in
+    # the same second
+    own = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+    assert len(runs) == 2 and all(own.fullmatch(name) for name in runs), runs
     other = tmp_path / "other"
     train(compose_cfg(*common, "trainer.max_steps=1", out=other))
     assert (other / "wandb/distill_run_id").read_text().strip() != run_id

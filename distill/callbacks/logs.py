@@ -82,13 +82,15 @@ class RolloutSamples(L.Callback):
 @torch.no_grad()
 def teacher_logprob(pl_module, prompt: list[int], completion: list[int]) -> float | None:
     """The live teacher's mean log-prob of the completion's tokens after the prompt
-    (through the fused CE: no logits built), or None without a live teacher."""
+    (through the fused CE: no logits built), or None without a live teacher, and in a
+    cross-tokenizer run, where the sample's tokens are not the teacher's."""
     from distill.data.shift import shift_flat, shift_labels
     from distill.losses import linear_cross_entropy
     from distill.models import final_hidden_states, lm_head
 
     teacher = getattr(getattr(pl_module, "teacher", None), "model", None)
-    if teacher is None or not completion:
+    cross = getattr(getattr(pl_module, "objective", None), "cross", None)
+    if teacher is None or cross is not None or not completion:
         return None
     device = next(teacher.parameters()).device
     ids = torch.tensor([prompt + completion], device=device)

@@ -51,18 +51,22 @@ class TaskEvalConfig:
 
 
 class TaskAccuracy(L.Callback):
-    def __init__(self, cfg: TaskEvalConfig, tokenizer):
+    """`tokenizer` is the student's; `teacher_tokenizer`, where the teacher reads other
+    tokens (loss.cross_tokenizer), is the one the teacher is scored with."""
+
+    def __init__(self, cfg: TaskEvalConfig, tokenizer, teacher_tokenizer=None):
         self.cfg, self.tokenizer = cfg, tokenizer
+        self.teacher_tokenizer = teacher_tokenizer or tokenizer
         self.accuracy: dict[str, dict] = {}
 
-    def _score(self, name: str, model) -> None:
+    def _score(self, name: str, model, tokenizer=None) -> None:
         from distill.evaluation import load_examples, task_accuracy
 
         examples = load_examples(self.cfg.path, self.cfg.max_examples)
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            self.accuracy[name] = task_accuracy(model, self.tokenizer, examples,
+            self.accuracy[name] = task_accuracy(model, tokenizer or self.tokenizer, examples,
                                                 max_new_tokens=self.cfg.max_new_tokens)
         model.train(was_training)
 
@@ -71,7 +75,7 @@ class TaskAccuracy(L.Callback):
             return  # under FSDP no rank holds a whole model
         teacher = getattr(pl_module.teacher, "model", None)
         if teacher is not None:
-            self._score("teacher", teacher)
+            self._score("teacher", teacher, self.teacher_tokenizer)
         if trainer.ckpt_path is None:  # a resumed student is not the untrained one
             self._score("untrained student", pl_module.student)
 

@@ -156,3 +156,48 @@ def test_a_cached_cross_tokenizer_teacher_is_written_once_and_trains(folders, co
     with pytest.raises(CacheMismatch, match="teacher_tokenizer differs"):
         train(compose_cfg(*common, f"teacher.tokenizer={folders['llama3']}",
                           out=tmp_path / "u"))
+
+
+def test_the_demo_distils_into_a_student_with_a_tokenizer_of_its_own(tmp_path):
+    """`scripts/make_cross_student.py`'s BPE student under `+experiment=onpolicy_demo
+    loss.cross_tokenizer=hybrid`: the teacher is scored with its own (character) tokenizer,
+    as it scores alone; the rollout log decodes the student's samples with the student's
+    tokenizer and gives no teacher log-prob (the sample's tokens are not the teacher's)."""
+    import importlib.util
+    from pathlib import Path
+
+    import distill
+    from distill.evaluation import load_examples, task_accuracy
+    from distill.models import load_tokenizer
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("make_cross_student",
+                                                  root / "scripts" / "make_cross_student.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    student = tmp_path / "student"
+    script.main(["--out", str(student)])
+    bpe = load_tokenizer(str(student))
+    assets = Path(distill.__file__).parent / "demo_assets"
+    chars = load_tokenizer(str(assets / "teacher"))
+    assert bpe.tokenize("permute abcdefg") != chars.tokenize("permute abcdefg")
+
+    from hydra import compose, initialize_config_dir
+
+    out = tmp_path / "run"
+    with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[
+            "+experiment=onpolicy_demo", "trainer=cpu", "loss.cross_tokenizer=hybrid",
+            f"student.name_or_path={student}", f"paths.output_dir={out}",
+            "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
+            "evaluate.max_examples=16", "callbacks.samples.every_n_steps=1",
+            "callbacks.checkpoint=null", "callbacks.progress.refresh_rate=0"])
+    summary = train(cfg)
+    teacher = AutoModelForCausalLM.from_pretrained(assets / "teacher")
+    alone = task_accuracy(teacher, chars, load_examples(assets / "data" / "tasks_test.jsonl",
+                                                         16), max_new_tokens=14)
+    assert summary["accuracy"]["teacher"]["overall"] == alone["overall"] >= 0.9
+    rows = [json.loads(line) for line in next(out.glob("logs/version_*/samples.jsonl")).open()]
+    assert rows and all(r["teacher_logprob"] is None for r in rows)
+    for row in rows:  # decoded by the student's BPE (the teacher's would misread its ids)
+        assert "permute " in row["prompt"] and row["prompt"].endswith("<|assistant|>")
