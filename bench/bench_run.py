@@ -95,7 +95,8 @@ def cli_run(args, root, name, packing, cached) -> dict:
 
         rows = list(csv.DictReader(metrics[-1].open()))
         for key in ("time/rollout_s", "time/train_s"):
-            vals = [float(r[key]) for r in rows if r.get(key)][args.warmup:]
+            vals = [float(r[key]) for r in rows  # the steps after the warm-up
+                    if r.get(key) and int(r.get("step") or 0) >= args.warmup]
             if vals:
                 result[key] = statistics.median(vals)
     return result

@@ -1,13 +1,16 @@
 """A demo student with a tokenizer of its own, for the cross-tokenizer demo comparison.
 
-    python scripts/make_cross_student.py --out /tmp/xstudent [--vocab 400]
+    python scripts/make_cross_student.py --out /tmp/xstudent [--vocab 42]
 
-The bundled teacher reads one character per token. This student's tokenizer is a BPE trained
-on the demo's prompts and answers (`--vocab` tokens: the letters, then the most frequent
-pairs and longer pieces, "permute" among them), with the same special tokens and chat
-template, so its token boundaries differ from the teacher's inside most answers. The folder
-holds that tokenizer and a config of the demo student's shape with this vocabulary;
-`student.from_scratch=true` (student=demo) initializes it. Run it with
+The bundled teacher reads one character per token (47 tokens). This student's tokenizer is a
+SentencePiece-style BPE trained on the demo's prompts and answers, with the same special
+tokens and chat template: at the default 42 tokens, the letters, a word-start mark and
+"▁permute" as one token, so its ids, its vocabulary and its segmentation of the prompt and
+of every space differ from the teacher's while each letter stays a token of its own. More
+tokens (`--vocab 400`) merge letters into pieces ("pf", "wm"), which the demo's 2-layer
+student did not learn to take apart in 1000 steps (0% for every arm; docs/notes/demo.md).
+The folder holds that tokenizer and a config of the demo student's shape with this
+vocabulary; `student.from_scratch=true` (student=demo) initializes it. Run it with
 
     python -m distill.train +experiment=onpolicy_demo student.name_or_path=/tmp/xstudent \
         loss.cross_tokenizer=hybrid
@@ -65,7 +68,7 @@ def train_bpe(corpus: list[str], vocab: int, assets) -> PreTrainedTokenizerFast:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--vocab", type=int, default=400)
+    p.add_argument("--vocab", type=int, default=42)
     args = p.parse_args(argv)
     assets = demo_assets_script()
     tokenizer = train_bpe(texts(), args.vocab, assets)
