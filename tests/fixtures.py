@@ -131,3 +131,14 @@ def child_env(**extra: str) -> dict:
     root = str(Path(__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
+def load_script(relative: str):
+    """A script of the checkout (scripts/x.py, bench/x.py) imported as a module, by path."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

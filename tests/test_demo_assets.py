@@ -175,12 +175,9 @@ def test_teacher_writes_valid_permutations_in_its_style_or_alphabetical_order(to
 
 def test_the_demo_data_is_what_the_asset_script_writes(tmp_path):
     """`scripts/make_demo_assets.py --demo-tasks-only` rebuilds tasks_*.jsonl byte for byte."""
-    import importlib.util
+    from tests.fixtures import load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "make_demo_assets.py"
-    spec = importlib.util.spec_from_file_location("make_demo_assets", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("scripts/make_demo_assets.py")
     script.main(["--out", str(tmp_path), "--demo-tasks-only"])
     for split in ["labeled", "prompts", "val", "test"]:
         name = f"tasks_{split}.jsonl"

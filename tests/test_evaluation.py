@@ -166,14 +166,10 @@ def test_a_permutation_example_accepts_any_ordering_of_its_letters(tmp_path):
 
 def test_the_scale_comparison_reads_the_real_run_summary():
     """scripts/compare_at_scale.py parses each run's printed summary (report.summary_lines)."""
-    import importlib.util
-
     from distill.report import summary_lines
+    from tests.fixtures import load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "compare_at_scale.py"
-    spec = importlib.util.spec_from_file_location("compare_at_scale", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("scripts/compare_at_scale.py")
     summary = {"student_dir": None, "global_step": 500, "wall_s": 107.4, "metrics": {},
                "trained_tokens": 280484, "references": [],
                "accuracy": {"teacher": {"overall": 1.0, "per_task": {"permutation": 1.0}},

@@ -163,18 +163,15 @@ def test_the_demo_distils_into_a_student_with_a_tokenizer_of_its_own(tmp_path):
     loss.cross_tokenizer=hybrid`: the teacher is scored with its own (character) tokenizer,
     as it scores alone; the rollout log decodes the student's samples with the student's
     tokenizer and gives no teacher log-prob (the sample's tokens are not the teacher's)."""
-    import importlib.util
     from pathlib import Path
 
     import distill
     from distill.evaluation import load_examples, task_accuracy
     from distill.models import load_tokenizer
+    from tests.fixtures import load_script
 
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("make_cross_student",
-                                                  root / "scripts" / "make_cross_student.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("scripts/make_cross_student.py")
     student = tmp_path / "student"
     script.main(["--out", str(student)])
     bpe = load_tokenizer(str(student))
