@@ -1,6 +1,5 @@
 """scripts/export_checkpoint.py: any Lightning checkpoint of a run -> a Hugging Face folder."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -9,12 +8,10 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill.train import train
+from tests.fixtures import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("export_checkpoint",
-                                               ROOT / "scripts/export_checkpoint.py")
-export_checkpoint = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(export_checkpoint)
+export_checkpoint = load_script("scripts/export_checkpoint.py")
 
 
 @pytest.fixture(scope="module")

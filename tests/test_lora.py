@@ -170,12 +170,9 @@ def test_resume_from_checkpoint_continues_the_same_run(compose_cfg, tmp_path):
 
 def test_bench_script_runs_tiny_on_cpu(tmp_path):
     """bench/bench_lora.py --tiny: the GPU benchmark's code path, in seconds on a CPU."""
-    import importlib.util
+    from tests.fixtures import load_script
 
-    path = Path(__file__).resolve().parents[1] / "bench/bench_lora.py"
-    spec = importlib.util.spec_from_file_location("bench_lora", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench/bench_lora.py")
     rows = bench.main(["--tiny", "--rank", "4", "--out", str(tmp_path)])
     full, lora, head = rows
     assert [r["mode"] for r in rows] == ["full", "lora r=4", "lora r=4+head"]

@@ -1,19 +1,15 @@
 """bench/make_real_shape_models.py: the real shapes are right, and the whole script
 (build, then the training CLI) runs on CPU at tiny shapes."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("real_shapes",
-                                               ROOT / "bench/make_real_shape_models.py")
-real_shapes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(real_shapes)
+from tests.fixtures import load_script
+
+real_shapes = load_script("bench/make_real_shape_models.py")
 
 # parameter counts (billions) of the public models whose shapes the pairs copy
 PUBLIC = {"llama": (1.236, 8.030), "qwen": (0.494, 7.616), "gemma": (2.614, 9.242)}
