@@ -9,7 +9,6 @@ runs that read it cannot disagree on what was cached. Tests call `cache_teacher_
 from __future__ import annotations
 
 import contextlib
-import shlex
 
 import hydra
 import lightning as L
@@ -18,6 +17,7 @@ from omegaconf import DictConfig
 
 from distill.assemble import build_callbacks, instantiate
 from distill.cache.job import CacheJob
+from distill.callbacks.export import hydra_command
 from distill.config import parse
 from distill.data import DistillDataModule
 from distill.data.sources import open_sources
@@ -55,7 +55,8 @@ def _cache(cfg: DictConfig, run) -> dict:
     splits = {"train": data.train_set, "val": data.val_set}
     splits = {k: v for k, v in splits.items() if k in c.splits and v is not None}
     job = CacheJob(c, splits, data.collate, teacher_name=run.teacher.name_or_path,
-                   tokenizer=tokenizer, max_length=data.max_length, command=_command())
+                   tokenizer=tokenizer, max_length=data.max_length,
+                   command=hydra_command("distill-cache"))
     model = load_causal_lm(run.teacher.name_or_path, dtype=run.teacher.dtype,
                            attn_implementation=run.teacher.attn_implementation)
     check_head_rows(model, len(tokenizer), "teacher")
@@ -96,16 +97,6 @@ def _cross_tokenizer_cache(run) -> dict:
         written[split] = len(ds)
     print(f"cross-tokenizer teacher cache {c.dir}: {written}")
     return {"dir": c.dir, "examples": written}
-
-
-def _command() -> str | None:
-    """This job's command line when Hydra launched it (None when called in-process)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return None
-    args = " ".join(shlex.quote(o) for o in HydraConfig.get().overrides.task)
-    return f"distill-cache {args}"
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

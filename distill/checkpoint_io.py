@@ -76,14 +76,16 @@ def non_finite(state: dict) -> list[str]:
             and not bool(torch.isfinite(v).all())]
 
 
-def check_finite(state: dict, what: str) -> None:
+DIVERGED = "The run diverged; resume from an earlier checkpoint with a lower optimizer.lr"
+
+
+def check_finite(state: dict, what: str, hint: str = DIVERGED) -> None:
     """Refuse weights with a NaN or an inf (`what` names them: 'the checkpoint x.ckpt'):
-    nothing non-finite is exported, by a run or by scripts/export_checkpoint.py."""
+    nothing non-finite is exported, by a run (callbacks.export) or by distill-export."""
     bad = non_finite(state)
     if bad:
         raise ValueError(f"{what} has non-finite weights ({len(bad)} tensors, e.g. {bad[:3]}): "
-                         "not exported. The run diverged before it was saved; export an earlier "
-                         "checkpoint, or resume from one with a lower optimizer.lr")
+                         f"not exported. {hint}")
 
 
 def read_checkpoint(path) -> dict:

@@ -30,10 +30,11 @@ from pathlib import Path
 
 import torch
 
-# prefixes that activation checkpointing, torch.compile and FSDP add to parameter names
-WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+from distill.checkpoint_io import read_checkpoint as read_checkpoint_file
+from distill.constants import unwrapped
+from distill.strategies import SHARDED_METADATA
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SHARDED_METADATA = "meta.pt"  # Lightning's file beside the shards (distill.strategies)
 
 
 def student_state(state_dict: dict, path: Path) -> dict:
@@ -41,10 +42,7 @@ def student_state(state_dict: dict, path: Path) -> dict:
     state = {}
     for key, value in state_dict.items():
         if key.startswith("student."):
-            name = key.removeprefix("student.")
-            for wrapper in WRAPPERS:
-                name = name.replace(wrapper, "")
-            state[name] = value
+            state[unwrapped(key.removeprefix("student."))] = value
     if not state:
         raise ValueError(f"{path} holds no student weights (no 'student.*' keys in its "
                          "state_dict): is it a checkpoint of a distill training run?")
@@ -78,8 +76,8 @@ def read_checkpoint(path: Path) -> tuple[dict, int | None]:
                              f"{SHARDED_METADATA}; otherwise pass a .ckpt file")
         state, meta = read_sharded(path)
     elif path.is_file():
-        # Lightning checkpoints hold optimizer and loop state besides tensors
-        meta = torch.load(path, map_location="cpu", weights_only=False)
+        # memory-mapped; a file cut short is named as such
+        meta = read_checkpoint_file(path)
         state = meta.get("state_dict", {})
     else:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
@@ -171,7 +169,8 @@ def build_student(model_path: str, state: dict, cfg, ckpt_path: Path):
 def export(ckpt_path: str | Path, out: str | Path | None = None, model: str | None = None,
            tokenizer: str | None = None, dtype: str | None = None, merge: bool = False,
            push_to_hub: str | None = None) -> Path:
-    from distill.callbacks.export import check_finite, save_student, upload
+    from distill.callbacks.export import save_student, upload
+    from distill.checkpoint_io import check_finite
     from distill.models import load_tokenizer
     from distill.publish import write_card
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from distill.constants import MODEL_DTYPES
+from distill.constants import MODEL_DTYPES, unwrapped
 from distill.models import load_causal_lm, resolve_path
 from distill.rules import (
     Rule,
@@ -165,9 +165,6 @@ def is_lora(model) -> bool:
     return bool(getattr(model, "peft_config", None))
 
 
-_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
 def _lora_modules(model) -> dict:
     """{clean name: LoRA layer}, names without FSDP / checkpointing / compile wrappers."""
     from peft.tuners.lora import LoraLayer
@@ -175,9 +172,7 @@ def _lora_modules(model) -> dict:
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
-            for wrapper in _WRAPPERS:
-                name = name.replace(wrapper, "")
-            out[name] = module
+            out[unwrapped(name)] = module
     return out
 
 
@@ -216,11 +211,8 @@ def trained_head_key(model, state: dict) -> str | None:
     if not weight.requires_grad:
         return None
     for name, p in model.named_parameters():
-        if p is weight:
-            for wrapper in _WRAPPERS:
-                name = name.replace(wrapper, "")
-            if name in state:
-                return name
+        if p is weight and unwrapped(name) in state:
+            return unwrapped(name)
     raise KeyError("the trained LM head is not in the gathered state dict")
 
 

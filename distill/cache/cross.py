@@ -51,7 +51,6 @@ def _positions(labels) -> list[int]:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def _example_rows(model, ex: dict, top_k: int, temperature: float, vocab: int):
     device = next(model.parameters()).device
     ids = torch.tensor([ex["teacher_input_ids"]], device=device)

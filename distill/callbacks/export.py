@@ -26,6 +26,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from distill.checkpoint_io import check_finite
+from distill.constants import unwrapped
 from distill.publish import push_to_hub, write_card
 from distill.rules import boolean, text
 
@@ -121,18 +123,6 @@ def hydra_command(app: str) -> str | None:
     return " ".join([app, *(shlex.quote(o) for o in HydraConfig.get().overrides.task)])
 
 
-DIVERGED = "The run diverged; resume from an earlier checkpoint with a lower optimizer.lr"
-
-
-def check_finite(state: dict, what: str, hint: str = DIVERGED) -> None:
-    """Refuse to export weights that hold NaN or inf: nothing non-finite leaves a run."""
-    bad = [k for k, v in state.items()
-           if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
-    if bad:
-        raise ValueError(f"{what} has non-finite weights ({len(bad)} tensors, e.g. {bad[:3]}): "
-                         f"not exported. {hint}")
-
-
 def save_student(model, state: dict, dirpath: Path, merge: bool) -> None:
     from distill.lora import is_lora
 
@@ -163,9 +153,6 @@ def move_aside(path: Path) -> Path | None:
     return target
 
 
-_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
 def _tied_aliases(model) -> set[str]:
     """Names under which an already-named parameter appears again (tied embeddings).
 
@@ -174,8 +161,7 @@ def _tied_aliases(model) -> set[str]:
     """
     seen, aliases = set(), set()
     for name, p in model.named_parameters(remove_duplicate=False):
-        for wrapper in _WRAPPERS:  # FSDP, activation checkpointing, torch.compile
-            name = name.replace(wrapper, "")
+        name = unwrapped(name)
         if id(p) in seen:
             aliases.add(name)
         seen.add(id(p))

@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
-from distill.callbacks.logs import grad_norm  # the one the logs show
+from distill.callbacks.logs import step_grad_norm  # the one the logs show
 from distill.rules import boolean, integer
 
 
@@ -93,14 +93,14 @@ class DivergenceGuard(L.Callback):
         # a GradScaler (16-mixed) finds inf gradients on purpose and skips those steps itself
         scaled = getattr(trainer.precision_plugin, "scaler", None) is not None
         check = self.check_grad_norm and not scaled
-        norm = grad_norm(optimizer, trainer.strategy) if check else None
+        norm = step_grad_norm(trainer, pl_module, optimizer) if check else None
         if loss is None and norm is None:
             return
         device = (loss if loss is not None else norm).device
         values = torch.stack([torch.zeros((), device=device) if v is None else v.float()
                               .to(device) for v in (loss, norm)])
         flags = trainer.strategy.reduce((~torch.isfinite(values)).float(), reduce_op="sum")
-        (loss_v, norm_v), (bad_loss, bad_norm) = values.tolist(), (flags > 0).tolist()
+        loss_v, norm_v, bad_loss, bad_norm = torch.cat([values, flags]).tolist()  # one sync
         if not (bad_loss or bad_norm):
             self.bad_in_a_row = 0
             return

@@ -38,9 +38,21 @@ class StepLogs(L.Callback):
         pl_module.log("train/lr", rates[0], prog_bar=False, **opts)
         for i, rate in enumerate(rates[1:], 1):  # adamw_grouped: the same lr, one key
             pl_module.log(f"train/lr_{i}", rate, **opts)
-        norm = grad_norm(optimizer, trainer.strategy)
+        norm = step_grad_norm(trainer, pl_module, optimizer)
         if norm is not None:
             pl_module.log("train/grad_norm", norm, **opts)
+
+
+def step_grad_norm(trainer, pl_module, optimizer) -> torch.Tensor | None:
+    """`grad_norm` of this optimizer step, computed once for every callback that asks (the
+    guard, then the step logs): kept in the module's StepSums, which the module's own
+    on_before_optimizer_step (after the callbacks') clears."""
+    sums = getattr(pl_module, "sums", None)
+    if sums is None:
+        return grad_norm(optimizer, trainer.strategy)
+    if sums.grad_norm is None:
+        sums.grad_norm = (grad_norm(optimizer, trainer.strategy),)
+    return sums.grad_norm[0]
 
 
 def grad_norm(optimizer, strategy) -> torch.Tensor | None:

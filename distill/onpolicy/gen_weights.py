@@ -20,14 +20,9 @@ import logging
 
 import torch
 
+from distill.constants import unwrapped
+
 log = logging.getLogger(__name__)
-_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def _clean(name: str) -> str:
-    for wrapper in _WRAPPERS:
-        name = name.replace(wrapper, "")
-    return name
 
 
 def needs_copy(model, dtype: torch.dtype) -> bool:
@@ -66,7 +61,7 @@ class GenerationCopy:
             self.model.get_output_embeddings().weight = self.model.get_input_embeddings().weight
         self.model.eval().requires_grad_(False)
         self.dtype = dtype
-        sources = {_clean(n): b for n, b in model.named_buffers()}
+        sources = {unwrapped(n): b for n, b in model.named_buffers()}
         with torch.no_grad():
             for name, buf in self.model.named_buffers():  # rotary tables: computed, not trained
                 if name not in sources:
@@ -103,7 +98,7 @@ def _plan(model, targets: dict) -> list:
     """(destination, source, LoRA layer or None) for every parameter of the copy, from the
     copy's {parameter name: tensor} (tied weights once)."""
     LoraLayer = _lora_layer_type()
-    modules = {_clean(n): m for n, m in model.named_modules()}
+    modules = {unwrapped(n): m for n, m in model.named_modules()}
     plan = []
     for name, dst in targets.items():
         owner, _, leaf = name.rpartition(".")
