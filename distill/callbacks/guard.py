@@ -203,9 +203,10 @@ class StopOnSignal(L.Callback):
             return  # inside a step's window: a checkpoint here would resume mid-step
         self.step = trainer.global_step
         signals = self.signals
-        mine = torch.tensor([float(s in self.received) for s in signals],
-                            device=trainer.strategy.root_device)
-        got = (trainer.strategy.reduce(mine, reduce_op="sum") > 0).tolist()
+        got = [s in self.received for s in signals]
+        if trainer.world_size > 1:  # every rank stops at the same step: one collective
+            mine = torch.tensor([float(g) for g in got], device=trainer.strategy.root_device)
+            got = (trainer.strategy.reduce(mine, reduce_op="sum") > 0).tolist()
         for signum, flag in zip(signals, got):
             handler = self.previous.get(signum)
             if flag and signum not in STOP_SIGNALS and callable(handler):
