@@ -29,8 +29,13 @@ def file_format(path: Path) -> str | None:
     return FORMATS.get(suffix)
 
 
+def readable(path: Path) -> bool:
+    """Whether `open_data_file` reads the file itself (zstd and lz4 are left to datasets)."""
+    return path.suffix not in (".zst", ".lz4")
+
+
 def open_data_file(path: Path, text: bool = False):
-    """A data file, compressed or not, as bytes (or utf-8 text)."""
+    """A data file, compressed or not, as bytes (or utf-8 text); see `readable`."""
     import bz2
     import gzip
     import lzma
@@ -55,7 +60,7 @@ def where(source: dict, idx: int) -> str:
     """'data source 'x', row 3 (line 4 of f.jsonl)': idx is the 0-based dataset row."""
     text = f"data source {source_name(source)!r}, row {idx + 1}"
     local = Path(str(source.get("path", ""))).expanduser()
-    if ".jsonl" in local.suffixes[-2:] and local.suffix != ".zst" and local.is_file():
+    if ".jsonl" in local.suffixes[-2:] and readable(local) and local.is_file():
         with open_data_file(local, text=True) as f:  # the json loader skips blank lines
             nonblank = (n for n, line in enumerate(f, 1) if line.strip())
             line = next((n for k, n in enumerate(nonblank) if k == idx), None)

@@ -28,6 +28,7 @@ from distill.data.files import (
     columns,
     file_format,
     open_data_file,
+    readable,
     source_name,
 )
 from distill.data.memory import load_held
@@ -91,7 +92,7 @@ def _load_file(local: Path, name: str) -> datasets.Dataset:
     except Exception as err:
         if builder in ("json", "text", "csv"):
             _raise_encoding_error(local, name, err)
-        if builder == "json":
+        if builder == "json" and readable(local):  # zstd, lz4: datasets' own error below
             _raise_json_error(local, name, err)
             raise MixedTypes(f"data source {name!r}: {local}: {err}") from err
         raise ValueError(f"data source {name!r}: {local} could not be read as {builder} "
@@ -118,7 +119,7 @@ def has_mixed_column(features) -> bool:
 
 def _raise_encoding_error(path: Path, name: str, err: Exception) -> None:
     """datasets names neither the file nor the line of a byte that is not UTF-8: find them."""
-    if path.suffix in (".zst", ".lz4"):
+    if not readable(path):
         return
     with open_data_file(path) as f:
         for lineno, line in enumerate(f, 1):

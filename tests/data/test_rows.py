@@ -127,3 +127,21 @@ def test_tokenizing_in_processes_gives_the_same_examples(chatml, tmp_path):
     one = setup(chatml, tmp_path, rows).train_set.to_list()
     two = setup(chatml, tmp_path, rows, num_proc=2).train_set.to_list()
     assert one == two and len(one) == 6
+
+
+def test_a_row_of_a_file_only_datasets_can_decompress_is_named_by_its_row(tmp_path):
+    """where() counts lines only in files it can open itself: a jsonl.lz4 or .zst row is
+    named by its row (it used to read the compressed bytes as text and fail)."""
+    import gzip
+
+    from distill.data.files import where
+
+    for suffix in (".lz4", ".zst"):
+        path = tmp_path / f"rows.jsonl{suffix}"
+        path.write_bytes(bytes(range(128, 256)))  # not UTF-8, as compressed data is not
+        assert where({"name": "x", "path": str(path)}, 2) == "data source 'x', row 3"
+    path = tmp_path / "rows.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write('{"a": 1}\n\n{"a": 2}\n{"a": 3}\n')
+    got = where({"name": "x", "path": str(path)}, 2)
+    assert got == f"data source 'x', row 3 (line 4 of {path})"
