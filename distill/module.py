@@ -96,6 +96,12 @@ class DistillModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer):
         self.sums.log_step(self)
 
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        # Lightning zeroes the gradients after the next step's forward: until then they
+        # would sit beside its activations (a student-sized fp32 tensor at the peak)
+        optimizer.zero_grad(set_to_none=True)
+
     def validation_step(self, batch: dict, batch_idx: int):
         valid = batch_masks(batch).valid.flatten().float()
         self.sums.add_val(self.objective.validation(self.student, batch, valid,

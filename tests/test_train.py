@@ -3,6 +3,7 @@ reloads; a run resumes from its checkpoint."""
 
 from pathlib import Path
 
+import lightning as L
 import pandas as pd
 import pytest
 import torch
@@ -103,3 +104,32 @@ def test_no_checkpoint_callback_writes_no_checkpoint(compose_cfg, tmp_path):
     train(compose_cfg("+experiment=sft_fkl", "trainer.max_steps=2",
                       "trainer.val_check_interval=1", out=out2))
     assert list(out2.rglob("*.ckpt"))
+
+
+class _GradsAtForward(L.Callback):
+    """Whether any student gradient exists when each micro-batch's forward starts."""
+
+    def __init__(self):
+        self.seen: list[tuple[int, bool]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        held = any(p.grad is not None for p in pl_module.student.parameters())
+        self.seen.append((batch_idx, held))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_gradients_are_freed_after_each_optimizer_step(accumulate, compose_cfg, tmp_path,
+                                                       monkeypatch):
+    """Lightning zeroes the gradients after the next forward; DistillModule frees them at
+    the optimizer step, so a window's first forward never runs beside the last step's
+    gradients (a student-sized fp32 tensor at the allocator's peak on the GPU)."""
+    import distill.assemble
+
+    rec, build = _GradsAtForward(), distill.assemble.build_callbacks
+    monkeypatch.setattr(distill.assemble, "build_callbacks",
+                        lambda *a, **kw: [*build(*a, **kw), rec])
+    train(compose_cfg("+experiment=sft_fkl", "trainer.max_steps=3",
+                      f"trainer.accumulate_grad_batches={accumulate}", out=tmp_path / "g"))
+    assert len(rec.seen) == 3 * accumulate
+    # a window's first micro-batch starts without gradients; later ones accumulate
+    assert [held for _, held in rec.seen] == [i % accumulate != 0 for i in range(len(rec.seen))]
