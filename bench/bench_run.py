@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+GAP_STEPS = 2  # profiled steps (--gaps), right after the warm-up; left out of the ratios
 VARIANTS = {  # name -> (packing, cached teacher)
     "packed": (True, False),
     "unpacked": (False, False),
@@ -80,6 +81,10 @@ def cli_run(args, root, name, packing, cached) -> dict:
            "callbacks.export=null", "trainer.log_every_n_steps=5",
            f"+callbacks.timer={{_target_:distill.callbacks.step_timer.StepTimer,"
            f"path:'{timer}',warmup:{args.warmup}}}"]
+    if args.gaps:  # the run's gap profile, of the steps the step bench profiles too
+        cmd.append(f"+callbacks.gaps={{_target_:bench.gaps.GapProfile,"
+                   f"path:'{args.out / f'gaps_run_{name}.json'}',start:{args.warmup},"
+                   f"steps:{GAP_STEPS}}}")
     log = args.out / f"run_{name}.log"
     t0 = time.perf_counter()
     rc = run_cmd(cmd, log, args.timeout, env={"TORCH_LOGS": "recompiles"})
@@ -138,27 +143,33 @@ def step_bench(args, root: Path, name: str, packing: bool, cached: bool) -> dict
             teacher = LiveTeacher.from_model(t_model)
     apply_levers(run.speed, student, teacher.model, run.data.packing)
     module = make_module(student, teacher, len(tok), lr=1e-5)
-    loader = torch.utils.data.DataLoader(data.train_set, batch_size=data.batch_size,
-                                         shuffle=False, collate_fn=data.collate,
-                                         num_workers=2)
+    loader = data.train_dataloader()  # the run's own sampler and collate: the same batches
 
     class Run:  # what bench_train_steps.distill_step reads
         cuda = device.type == "cuda"
 
     Run.device = device
+    from gaps import profiled
+
     ms, tokens = [], []
     for i, batch in enumerate(loader):
         if i == args.warmup + args.bench_steps:
             break
-        batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+        batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()
+                 if k != "window"}
         step = distill_step(module, batch, Run)
         if Run.cuda:
             torch.cuda.synchronize()
+        if args.gaps and i == args.warmup:
+            gap_ctx = profiled(args.out / f"gaps_step_{name}.json")
+            gap_ctx.__enter__()
         t0 = time.perf_counter()
         step()
         if Run.cuda:
             torch.cuda.synchronize()
         ms.append(1000 * (time.perf_counter() - t0))
+        if args.gaps and i == args.warmup + GAP_STEPS - 1:
+            gap_ctx.__exit__(None, None, None)
         tokens.append(int(batch["attention_mask"].sum()))
         if i + 1 == args.warmup and Run.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -166,7 +177,7 @@ def step_bench(args, root: Path, name: str, packing: bool, cached: bool) -> dict
     med = statistics.median(m for m, _ in steady)
     toks = statistics.median(t for _, t in steady)
     out = {"median_ms": med, "median_tokens": toks, "tokens_per_s": toks / med * 1000,
-           "ms": ms}
+           "ms": ms, "tokens": tokens}
     if Run.cuda:
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
@@ -194,7 +205,10 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--bench-steps", type=int, default=10)
+    p.add_argument("--bench-steps", type=int, default=None,
+                   help="the step's timed batches after the warm-up (default: the run's)")
+    p.add_argument("--gaps", action="store_true",
+                   help="profile 2 steps of the run and of the step: the device's idle gaps")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--timeout", type=float, default=300)
@@ -205,6 +219,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-step", default="", help="variants measured as runs only")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    if args.bench_steps is None:
+        args.bench_steps = args.steps - args.warmup
     if args.tiny:
         args.batch_size, args.max_length = min(args.batch_size, 4), min(args.max_length, 256)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -235,24 +251,42 @@ def main(argv=None) -> int:
         cmd = [sys.executable, __file__, "--phase", f"step:{name}", "--out", str(args.out),
                "--root", str(root), "--pair", args.pair, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--bench-steps", str(args.bench_steps),
+               *(["--gaps"] if args.gaps else []),
                "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
                *(["--tiny"] if args.tiny else []), *args.overrides]
         rc = run_cmd(cmd, args.out / f"step_{name}.log", args.timeout)
         got = args.out / f"step_{name}.json"
         row["step"] = json.loads(got.read_text()) if got.exists() else {"rc": rc}
+        skip = set(range(args.warmup, args.warmup + GAP_STEPS)) if args.gaps else set()
+        row["same_batches"] = same_batches(row["run"], row["step"], args.warmup, skip)
         results[name] = row
         (args.out / "bench_run.json").write_text(json.dumps(results, indent=1))
     print_table(results)
     return 0
 
 
+def same_batches(run: dict, step: dict, warmup: int, skip: set[int]) -> dict | None:
+    """tokens/s of the run and of the step over the batches both timed after the warm-up
+    (the same batches: the step bench reads the run's own loader), all tokens over all time,
+    the profiled steps left out."""
+    n = min(len(run.get("ms", [])), len(step.get("ms", [])))
+    idx = [i for i in range(warmup, n) if i not in skip]
+    if not idx or run["tokens"][:n] != step["tokens"][:n]:
+        return None  # not the same batches: no ratio
+
+    def rate(x):
+        return sum(x["tokens"][i] for i in idx) / sum(x["ms"][i] for i in idx) * 1000
+    return {"steps": len(idx), "run_tokens_per_s": rate(run), "step_tokens_per_s": rate(step),
+            "ratio": rate(run) / rate(step)}
+
+
 def print_table(results: dict) -> None:
     print("| variant | step alone: ms / tokens/s / peak | the run: ms / tokens/s / peak | "
-          "run / step tokens/s | recompiles after start |")
-    print("|---|---|---|---|---|")
+          "run / step tokens/s (same batches) | run - step peak | recompiles after start |")
+    print("|---|---|---|---|---|---|")
     for name, row in results.items():
         if "run" not in row:
-            print(f"| {name} | {row.get('skipped')} | | | |")
+            print(f"| {name} | {row.get('skipped')} | | | | |")
             continue
         s, r = row["step"], row["run"]
 
@@ -261,13 +295,15 @@ def print_table(results: dict) -> None:
                 return f"failed (rc {x.get('rc')})"
             peak = f"{x['peak_allocated_gib']:.1f} GiB" if "peak_allocated_gib" in x else "-"
             return f"{x['median_ms']:.0f} ms / {x['tokens_per_s']:,.0f} / {peak}"
-        ratio = (f"{r['tokens_per_s'] / s['tokens_per_s']:.3f}"
-                 if "tokens_per_s" in r and "tokens_per_s" in s else "-")
+        same = row.get("same_batches")
+        ratio = (f"{same['ratio']:.3f} ({same['steps']} steps)" if same else "-")
+        peaks = ("peak_allocated_gib" in r and "peak_allocated_gib" in s
+                 and f"{r['peak_allocated_gib'] - s['peak_allocated_gib']:+.1f} GiB") or "-"
         extra = ""
         if "time/rollout_s" in r:
             share = r["time/rollout_s"] / (r["time/rollout_s"] + r.get("time/train_s", 0))
             extra = f" (rollout {r['time/rollout_s']:.2f} s = {100 * share:.0f}% of the step)"
-        print(f"| {name} | {cell(s) if s else '-'} | {cell(r)}{extra} | {ratio} | "
+        print(f"| {name} | {cell(s) if s else '-'} | {cell(r)}{extra} | {ratio} | {peaks} | "
               f"{r.get('recompiles', '-')} |")
 
 
