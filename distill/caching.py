@@ -9,6 +9,7 @@ runs that read it cannot disagree on what was cached. Tests call `cache_teacher_
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import hydra
 import lightning as L
@@ -48,9 +49,9 @@ def _cache(cfg: DictConfig, run) -> dict:
         return _cross_tokenizer_cache(run)
     # the teacher's: what the cache records (training compares the student's with it)
     tokenizer = load_tokenizer(run.teacher.tokenizer_path, who="teacher")
-    data = DistillDataModule(tokenizer, run.data)
-    # the cache is per example, whether training packs them (data.packing) or not
-    data.packing = False
+    # the cache is per example, whether training packs them (data.packing) or not; its
+    # batches are padded to their longest example, never to a packed row's max_length
+    data = DistillDataModule(tokenizer, dataclasses.replace(run.data, packing=False))
     data.setup("fit")
     splits = {"train": data.train_set, "val": data.val_set}
     splits = {k: v for k, v in splits.items() if k in c.splits and v is not None}

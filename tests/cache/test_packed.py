@@ -66,3 +66,27 @@ def test_cache_job_ignores_packing_and_packed_offline_training_runs(compose_cach
     assert any("position_ids" in b for b in first.batches)  # packed rows were trained
     assert_first_step_loss(first, cfg.loss, rtol=CACHED_RTOL, cached_teacher=teacher64,
                            top_k=8)
+
+
+def test_cache_job_pads_each_batch_to_its_longest_example(compose_cache, cache_k8,
+                                                          monkeypatch, tmp_path):
+    """With data.packing=true the job still caches examples one by one; its batches must be
+    padded to their own longest example, not to the packed rows' data.max_length (at 2048
+    that was 5x the teacher's work on ~400-token chats)."""
+    import distill.cache.job
+
+    widths, longest = [], []
+
+    class Spy(distill.cache.job.CacheJob):
+        def __init__(self, settings, datasets, collate, **kw):
+            def spied(examples):
+                batch = collate(examples)
+                widths.append(batch["input_ids"].shape[1])
+                longest.append(max(len(ex["input_ids"]) for ex in examples))
+                return batch
+            super().__init__(settings, datasets, spied, **kw)
+
+    monkeypatch.setattr("distill.caching.CacheJob", Spy)
+    cache_teacher_logits(compose_cache(tmp_path / "fresh", "cache.top_k=8", "data.packing=true",
+                                       "data.max_length=512"))
+    assert widths and widths == longest and max(widths) < 512
