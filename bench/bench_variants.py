@@ -3,10 +3,12 @@
 Each round times every variant once (CUDA events, grads cleared before each call), in a
 new random order (a variant's predecessor biases it otherwise); the table gives the median
 over rounds and the ratio to the GEMM floor timed in the same rounds. Variants set the op's
-knobs (`distill.ops.chunked.Tuning`: stats GEMM, fold group, GEMM tile config) and chunk
-size. Also prints which ATen ops launch the largest kernels (--ops).
+knobs (`distill.ops.chunked.Tuning`: stats GEMM, fold group, GEMM tile config, the row
+kernels' largest-logit fixup and block) and chunk size. Also prints which ATen ops launch
+the largest kernels (--ops).
 
     python bench/bench_variants.py --bt 4096 8192 --rounds 12
+    python bench/bench_variants.py --bt 8192 --only default "fixup"   # the row fixups
 """
 
 from __future__ import annotations
@@ -27,15 +29,24 @@ from distill.losses import linear_divergence  # noqa: E402
 from distill.ops.chunked import Tuning  # noqa: E402
 
 DEFAULT = Tuning()
+# the row kernels before the lane fixup: three block reductions per block, BLOCK 4096
+BLOCK_FIXUP = Tuning(row_fixup="block", row_config=(4096, 8))
 # name -> (tuning, chunk_size or None, kind, cached?)
 VARIANTS = {
     "default": (DEFAULT, None, "forward_kl", False),
     "fold 3 x 640": (Tuning(fold_group=3), 640, "forward_kl", False),
     "default again (same path: the noise)": (DEFAULT, None, "forward_kl", False),
     "GEMM 3 stages": (Tuning(gemm_config=(128, 256, 64, 8, 3, 0)), None, "forward_kl", False),
+    "fixup block 4096x8 (previous default)": (BLOCK_FIXUP, None, "forward_kl", False),
+    "fixup block 2048x8": (Tuning(row_fixup="block", row_config=(2048, 8)), None, "forward_kl",
+                           False),
+    "fixup lane 4096x8": (Tuning(row_config=(4096, 8)), None, "forward_kl", False),
     "default, reverse_kl": (DEFAULT, None, "reverse_kl", False),
+    "fixup block 4096x8, reverse_kl": (BLOCK_FIXUP, None, "reverse_kl", False),
     "default, jsd": (DEFAULT, None, "jsd", False),
+    "fixup block 4096x8, jsd": (BLOCK_FIXUP, None, "jsd", False),
     "cached, cuBLAS (default)": (DEFAULT, None, "forward_kl", True),
+    "cached, fixup block": (Tuning(row_fixup="block"), None, "forward_kl", True),
 }
 
 

@@ -35,12 +35,16 @@ _HALF = (torch.bfloat16, torch.float16)
 class Tuning:
     """Knobs of the CUDA path for benchmarks and tuning (the defaults are the measured best;
     docs/notes/kernels.md): chunks folded per d weight GEMM (None: FOLD_GROUP), the Triton
-    logits GEMM with the softmax-stats epilogue (live teacher), and its tile config
-    (BM, BN, BK, num_warps, num_stages, tma_store; None: logits_gemm.CONFIG)."""
+    logits GEMM with the softmax-stats epilogue (live teacher), its tile config
+    (BM, BN, BK, num_warps, num_stages, tma_store; None: logits_gemm.CONFIG), how the row
+    kernels find the largest logit they write last (divergence_triton.ROW_FIXUPS), and
+    their (BLOCK, num_warps) (None: divergence_triton.CONFIG)."""
 
     fold_group: int | None = None
     stats_gemm: bool = True
     gemm_config: tuple[int, int, int, int, int, int] | None = None
+    row_fixup: str = "lane"
+    row_config: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.fold_group is not None and self.fold_group < 1:
@@ -48,6 +52,12 @@ class Tuning:
         if self.gemm_config is not None and len(self.gemm_config) != 6:
             raise ValueError(f"gemm_config={self.gemm_config!r}: give six integers, "
                              "BM, BN, BK, num_warps, num_stages, tma_store")
+        if self.row_fixup not in ("lane", "block"):
+            raise ValueError(f"row_fixup={self.row_fixup!r}: use 'lane' or 'block'")
+        if self.row_config is not None and (
+                len(self.row_config) != 2 or self.row_config[0] & (self.row_config[0] - 1)):
+            raise ValueError(f"row_config={self.row_config!r}: give (BLOCK, num_warps), "
+                             "BLOCK a power of two")
 
 
 DEFAULT_TUNING = Tuning()
@@ -276,6 +286,8 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
             opts = dict(ce_out=ce_rows[:c] if (ce_sum is not None and lab is not None) else None)
             if in_kernel:
                 opts.update(row_scale=w, grad_dtype=gdtype)
+            if backend == "triton":
+                opts.update(row_fixup=tuning.row_fixup, row_config=tuning.row_config)
             if stats is not None:
                 opts["stats"] = stats
             if dz_buf is not None:

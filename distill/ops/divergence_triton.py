@@ -28,14 +28,22 @@ import triton.language as tl
 
 from distill.ops.sparse_triton import _sparse_fwd_kernel
 from distill.ops.spec import TAIL_FLOOR, DivergenceSpec
-from distill.ops.triton_math import _logaddexp, _online, _track_ref
+from distill.ops.triton_math import _lane_ref, _logaddexp, _online, _track_ref
 
 _KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
 # (BLOCK, num_warps) per row program, measured on an H200 at V=128256 (docs/notes/kernels.md);
-# scripts/bench_loss.py --tune re-measures them. The cached kernel's measured 8192 is halved
-# since the largest-logit bookkeeping (issue 10): at 8192 it needs ~190-220 registers a
-# thread (1 program per SM), at 4096 ~105-117, the 2 programs the measured config had.
-CONFIG = {"live": (4096, 8), "sparse": (4096, 8)}
+# scripts/bench_loss.py --tune re-measures them. Registers a thread (sm_90, ptxas) decide
+# the programs an SM holds: the live kernel's per-lane bookkeeping ("lane" below) holds two
+# BLOCK-shaped carries, 73-80 registers at 2048 (3 programs per SM), 128 and spills at 4096;
+# "block" needed 100-127 at 4096 (2 programs), 48-80 at 2048. The cached kernel's measured
+# 8192 is halved since the largest-logit bookkeeping (issue 10): 103-117 registers at 4096
+# ("lane"; "block" 111-128), 2 programs per SM.
+CONFIG = {"live": (2048, 8), "sparse": (4096, 8)}
+# How the writing pass finds the largest logit, whose entry it writes last as minus the
+# others' sum: "lane" tests z == the row's max (known from pass 1 or the tile stats) and
+# keeps per-lane sums, reduced once per row; "block" (the first version) takes three block
+# reductions per block (triton_math._track_ref). docs/notes/kernels.md has both costs.
+ROW_FIXUPS = ("lane", "block")
 MAX_K = 16384  # top-k ids held in registers by one program
 
 
@@ -59,6 +67,34 @@ def _merge_tiles(st_ptr, plane, NT, inv_t, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def _live_terms(zs, zt, idx, mask, label, ms, ls, mt, lt, m1, l1, c, inv_t, gf, lb, l1b,
+                beta, ce_weight, KIND: tl.constexpr, CE_GRAD: tl.constexpr,
+                CE_SEP: tl.constexpr):
+    """The writing pass at entries idx: (each entry's KL term, its gradient before the row
+    scale). Also called after the pass, at zs = ms, for a tie of the largest logit."""
+    logq = (zs - ms) * inv_t - ls
+    logp = (zt - mt) * inv_t - lt
+    q, p = tl.exp(logq), tl.exp(logp)
+    if KIND == 0:
+        term = tl.where(mask & (p > 0), p * (logp - logq), 0.0)
+        da = q - p  # not q * (G - <q, G>): G = -p / q overflows where q underflows
+    elif KIND == 1:
+        term = tl.where(mask & (q > 0), q * (logq - logp), 0.0)
+        da = q * (tl.where(q > 0, logq - logp, 0.0) - c)
+    else:  # JSD's terms came from its pass 2
+        term = tl.zeros_like(q)
+        da = q * (tl.where(q > 0, (1.0 - beta) * (logq - _logaddexp(logp + lb, logq + l1b)),
+                           0.0) - c)
+    g = gf * da
+    if CE_GRAD:
+        sm = q
+        if CE_SEP:
+            sm = tl.exp((zs - m1) - l1)
+        g += ce_weight * (sm - tl.where(idx == label, 1.0, 0.0))
+    return term, tl.where(mask, g, 0.0)
+
+
+@triton.jit
 def _live_fwd_kernel(
     zs_ptr,  # (C, V) fp32 student logits
     zt_ptr,  # (C, V) fp32 teacher logits
@@ -73,7 +109,7 @@ def _live_fwd_kernel(
     inv_t, beta, ce_weight, factor,
     KIND: tl.constexpr, HAS_CE: tl.constexpr, CE_GRAD: tl.constexpr, CE_SEP: tl.constexpr,
     WRITE_CE: tl.constexpr, HAS_SCALE: tl.constexpr, NEED_GRAD: tl.constexpr,
-    ALIAS: tl.constexpr, STATS: tl.constexpr, BLOCK: tl.constexpr,
+    ALIAS: tl.constexpr, STATS: tl.constexpr, LANE: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -160,6 +196,8 @@ def _live_fwd_kernel(
             cq += tl.sum(tq, 0)
         c = (1.0 - beta) * cq
     rm, ri, rg, acc = zero + ninf, tl.zeros((), tl.int32), zero, zero
+    acc_l = tl.zeros((BLOCK,), tl.float32)  # LANE: per-lane sums, the lanes' first hits
+    first = tl.full((BLOCK,), -1, tl.int32)
     if NEED_GRAD or KIND != 2:
         # last pass: the KL terms and the gradient; backwards, except after JSD's pass 2
         for i in range(0, nb):
@@ -167,37 +205,37 @@ def _live_fwd_kernel(
             idx = base + offs
             mask = idx < V
             zs = tl.load(zs_row + idx, mask=mask, other=ninf)
-            logq = (zs - ms) * inv_t - ls
-            logp = (tl.load(zt_row + idx, mask=mask, other=ninf) - mt) * inv_t - lt
-            q, p = tl.exp(logq), tl.exp(logp)
-            if KIND == 0:
-                div += tl.sum(tl.where(mask & (p > 0), p * (logp - logq), 0.0), 0)
-                da = q - p  # not q * (G - <q, G>): G = -p / q overflows where q underflows
-            elif KIND == 1:
-                div += tl.sum(tl.where(mask & (q > 0), q * (logq - logp), 0.0), 0)
-                da = q * (tl.where(q > 0, logq - logp, 0.0) - c)
-            else:
-                g = (1.0 - beta) * (logq - _logaddexp(logp + lb, logq + l1b))
-                da = q * (tl.where(q > 0, g, 0.0) - c)
+            zt = tl.load(zt_row + idx, mask=mask, other=ninf)
+            term, g = _live_terms(zs, zt, idx, mask, label, ms, ls, mt, lt, m1, l1, c,
+                                  inv_t, gf, lb, l1b, beta, ce_weight, KIND, CE_GRAD,
+                                  CE_SEP)
+            if KIND != 2:
+                div += tl.sum(term, 0)
             if NEED_GRAD:
-                g = gf * da
-                if CE_GRAD:
-                    sm = q
-                    if CE_SEP:
-                        sm = tl.exp((zs - m1) - l1)
-                    g += ce_weight * (sm - tl.where(idx == label, 1.0, 0.0))
-                g = tl.where(mask, g, 0.0)
-                rm, ri, rg, acc = _track_ref(rm, ri, rg, acc, zs, g, base, offs)
+                if LANE:  # ms is an element of the row: no reduction finds it
+                    acc_l, first = _lane_ref(acc_l, first, (zs == ms) & mask, g, idx)
+                else:
+                    rm, ri, rg, acc = _track_ref(rm, ri, rg, acc, zs, g, base, offs)
                 if HAS_SCALE:
                     g = g * rs
                 if ALIAS:
                     tl.debug_barrier()  # the store may land on logits another warp reads
                 tl.store(dz_row + idx, g.to(dz_ptr.dtype.element_ty), mask=mask)
     if NEED_GRAD:
+        if LANE:
+            # the largest hit is the entry written last; the other lanes' first hits (ties
+            # with it) were left out of acc_l: their gradients, recomputed at zs = ms, join it
+            ri = tl.max(first, 0)
+            tied = (first >= 0) & (first != ri)
+            zt = tl.load(zt_row + first, mask=tied, other=0.0)
+            zs = tl.zeros((BLOCK,), tl.float32) + ms
+            _, g = _live_terms(zs, zt, first, tied, label, ms, ls, mt, lt, m1, l1, c, inv_t,
+                               gf, lb, l1b, beta, ce_weight, KIND, CE_GRAD, CE_SEP)
+            acc = tl.sum(acc_l + g, 0)
         # the largest logit's exact gradient (~exp(-gap)) is minus the others' sum; its
         # own q_* (G_* - <q, G>) is a difference of nearly equal numbers
         tl.debug_barrier()
-        tl.store(dz_row + ri, (-acc * rs).to(dz_ptr.dtype.element_ty))
+        tl.store(dz_row + ri, (-acc * rs).to(dz_ptr.dtype.element_ty), mask=ri >= 0)
     tl.store(loss_ptr + row, factor * div + ce_weight * ce)
     if WRITE_CE:
         tl.store(ce_ptr + row, ce)
@@ -254,7 +292,7 @@ def untempered_stats(spec: DivergenceSpec, labels, ce_out) -> bool:
 
 def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: DivergenceSpec,
                        need_grad, *, row_scale=None, grad_dtype=torch.float32, ce_out=None,
-                       stats=None, grad_out=None):
+                       stats=None, grad_out=None, row_fixup="lane", row_config=None):
     """Loss (C,) and d loss / d zs (C, V), as `divergence_torch.rows_loss_and_grad`.
 
     zs: (C, V) fp32 student logits, CONSUMED: the gradient is written over its memory
@@ -264,9 +302,12 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
     `ce_out` (C,) fp32 receives each row's cross-entropy when given. `stats` (live
     teacher only): the (student, teacher) tile statistics from
     `logits_gemm.logits_and_stats`, which replace the first pass. `grad_out`: a (C, V)
-    tensor to write the gradient into instead of over zs.
+    tensor to write the gradient into instead of over zs. `row_fixup`: one of ROW_FIXUPS;
+    `row_config`: (BLOCK, num_warps) instead of CONFIG's.
     """
     c, v = zs.shape
+    if row_fixup not in ROW_FIXUPS:
+        raise ValueError(f"row_fixup={row_fixup!r}: use one of {ROW_FIXUPS}")
     if zs.dtype != torch.float32 or zs.stride(1) != 1:
         raise ValueError("the row kernel needs fp32 logits with contiguous rows")
     loss = torch.empty(c, dtype=torch.float32, device=zs.device)
@@ -285,7 +326,7 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
         HAS_CE=has_ce, CE_GRAD=has_ce and bool(spec.ce_weight) and need_grad,
         CE_SEP=has_ce and spec.temperature != 1.0, WRITE_CE=has_ce and ce_out is not None,
         HAS_SCALE=row_scale is not None, NEED_GRAD=need_grad,
-        ALIAS=grad_out is None and dz.dtype != zs.dtype,
+        ALIAS=grad_out is None and dz.dtype != zs.dtype, LANE=row_fixup == "lane",
     )
     ptrs = (loss, ce_out if ce_out is not None else loss,
             labels if labels is not None else loss,
@@ -293,7 +334,7 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
     scalars = (1.0 / spec.temperature, spec.beta, float(spec.ce_weight),
                spec.divergence_factor)
     if live:
-        block, warps = CONFIG["live"]
+        block, warps = row_config or CONFIG["live"]
         # tile stats: (student, teacher) tensors, pointer and plane size of each
         st_s, st_t = stats if stats is not None else (loss, loss)
         nt = st_s.shape[-1] if stats is not None else 1
@@ -313,7 +354,7 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
         if k > MAX_K:
             raise ValueError(f"K={k} cached ids per row: the Triton kernel holds at most "
                              f"{MAX_K} in registers")
-        block, warps = CONFIG["sparse"]
+        block, warps = row_config or CONFIG["sparse"]
         _sparse_fwd_kernel[(c,)](
             zs, dz, target_ids, target_logprobs, *ptrs, v, k, zs.stride(0), dz.stride(0),
             target_ids.stride(0), target_logprobs.stride(0), *scalars, TAIL_FLOOR,

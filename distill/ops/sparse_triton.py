@@ -11,7 +11,15 @@ Launched by `divergence_triton.rows_loss_and_grad`.
 import triton
 import triton.language as tl
 
-from distill.ops.triton_math import _expm1, _fold_rest, _log1p, _logaddexp, _rest_of, _track_ref
+from distill.ops.triton_math import (
+    _expm1,
+    _fold_rest,
+    _lane_ref,
+    _log1p,
+    _logaddexp,
+    _rest_of,
+    _track_ref,
+)
 
 
 @triton.jit
@@ -68,7 +76,8 @@ def _sparse_fwd_kernel(
     inv_t, beta, ce_weight, factor, tail_floor,
     KIND: tl.constexpr, RENORM: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_CE: tl.constexpr,
     CE_GRAD: tl.constexpr, CE_SEP: tl.constexpr, WRITE_CE: tl.constexpr, HAS_SCALE: tl.constexpr,
-    NEED_GRAD: tl.constexpr, ALIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+    NEED_GRAD: tl.constexpr, ALIAS: tl.constexpr, LANE: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     zs_row = zs_ptr + row * stride_s
@@ -138,14 +147,27 @@ def _sparse_fwd_kernel(
     if NEED_GRAD:
         _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, label, mt,
                      lt, m1, l1, da_k, da_t, inv_t, factor * inv_t, ce_weight, CE_GRAD, HAS_SCALE,
-                     ALIAS, BLOCK, RENORM)
+                     ALIAS, BLOCK, RENORM, LANE)
+
+
+@triton.jit
+def _tail_grad(zs, idx, mask, label, label_in_k, mt_safe, lt, m1, l1, g_t, inv_t, ce_weight,
+               CE_GRAD: tl.constexpr):
+    """Gradient of tail entries before the row scale: g_t, the tail's, in proportion to each
+    entry's share of the tail, and the CE's. Also called after pass 2, at zs = mt, for a tie
+    of the tail's largest logit."""
+    g = g_t * tl.exp((zs - mt_safe) * inv_t - lt)
+    if CE_GRAD:
+        onehot = tl.where(idx == label, 1.0, 0.0) * (label_in_k == 0)  # else the ids
+        g += ce_weight * (tl.exp((zs - m1) - l1) - onehot)
+    return tl.where(mask, g, 0.0)
 
 
 @triton.jit
 def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, label, mt, lt,
                  m1, l1, da_k, da_t, inv_t, gf, ce_weight, CE_GRAD: tl.constexpr,
                  HAS_SCALE: tl.constexpr, ALIAS: tl.constexpr, BLOCK: tl.constexpr,
-                 RENORM: tl.constexpr):
+                 RENORM: tl.constexpr, LANE: tl.constexpr):
     """Write the gradient: the tail entries share da_t in proportion to their part of the
     tail (pass 2, backwards), then the K ids, then the row's largest logit from the rest."""
     offs = tl.arange(0, BLOCK)
@@ -158,17 +180,21 @@ def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, labe
     mt_safe = tl.where(mt == ninf, 0.0, mt)  # no tail: every zs below is -inf
     n_label_in_k = tl.sum(tl.where(kmask & (ids == label), 1, 0), 0)
     rm, ri, rg, acc = zero + ninf, tl.zeros((), tl.int32), zero, zero
+    acc_l = tl.zeros((BLOCK,), tl.float32)  # LANE: per-lane sums, the lanes' first hits
+    first = tl.full((BLOCK,), -1, tl.int32)
     for i in range(0, nb):
         base = (nb - 1 - i) * BLOCK
         idx = base + offs
         mask = idx < V
         zs = tl.load(zs_row + idx, mask=mask, other=ninf)  # -inf at the K ids
-        g = (gf * da_t) * tl.exp((zs - mt_safe) * inv_t - lt)
-        if CE_GRAD:
-            onehot = tl.where(idx == label, 1.0, 0.0) * (n_label_in_k == 0)  # else the ids
-            g += ce_weight * (tl.exp((zs - m1) - l1) - onehot)
-        g = tl.where(mask, g, 0.0)
-        rm, ri, rg, acc = _track_ref(rm, ri, rg, acc, zs, g, base, offs)
+        g = _tail_grad(zs, idx, mask, label, n_label_in_k, mt_safe, lt, m1, l1, gf * da_t,
+                       inv_t, ce_weight, CE_GRAD)
+        if LANE:
+            # mt, the tail's max, is an element of the row. Without a tail (mt = -inf) the
+            # K ids' -inf hit too: their g is 0 here, and a cached id is the largest
+            acc_l, first = _lane_ref(acc_l, first, (zs == mt) & mask, g, idx)
+        else:
+            rm, ri, rg, acc = _track_ref(rm, ri, rg, acc, zs, g, base, offs)
         if HAS_SCALE:
             g = g * rs
         if ALIAS:
@@ -182,6 +208,15 @@ def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, labe
     zk_m = tl.where(kmask, zk, ninf)
     kbest = tl.argmax(zk_m, 0)
     koffs = tl.arange(0, zk.shape[0])
+    if LANE:
+        rm = mt
+        # the tail's entry written last, unless a cached id is larger: the other lanes'
+        # first hits (ties with it, or all of them) were left out of acc_l
+        ri = tl.where(tl.max(zk_m, 0) > mt, -1, tl.max(first, 0))
+        tied = (first >= 0) & (first != ri)
+        g = _tail_grad(tl.zeros((BLOCK,), tl.float32) + mt, first, tied, label, n_label_in_k,
+                       mt_safe, lt, m1, l1, gf * da_t, inv_t, ce_weight, CE_GRAD)
+        acc = tl.sum(acc_l + g, 0)
     top_in_k = tl.max(zk_m, 0) > rm
     k_others = tl.sum(tl.where(koffs == kbest, 0.0, gk), 0)
     gk = tl.where(koffs == kbest, tl.where(top_in_k, -(acc + rg + k_others), gk), gk)
@@ -192,4 +227,4 @@ def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, labe
     # largest one is left as it is rather than set from the others' rounding
     if CE_GRAD or not RENORM:
         tl.store(dz_row + ri, (-(acc + tl.sum(gk, 0)) * rs).to(dz_ptr.dtype.element_ty),
-                 mask=tl.max(zk_m, 0) <= rm)
+                 mask=(tl.max(zk_m, 0) <= rm) & (ri >= 0))

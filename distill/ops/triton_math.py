@@ -76,3 +76,14 @@ def _track_ref(rm, ri, rg, acc, z, g, base, offs):
     up = bm > rm
     acc += tl.sum(tl.where(hit, 0.0, g), 0) + tl.where(up, rg, g_bi)  # rg: the dethroned
     return tl.maximum(rm, bm), tl.where(up, base + bi, ri), tl.where(up, g_bi, rg), acc
+
+
+@triton.jit
+def _lane_ref(acc, first, hit, g, idx):
+    """The largest logit's bookkeeping when its value is known (`hit`: z equals the row's
+    max), with no reduction: each lane keeps the index of its first hit (`first`, -1
+    before) and sums every other gradient entry into `acc`, later hits of the lane (ties)
+    included. After the pass one lane's hit is the row's; the others' gradients are
+    recomputed and added. Two BLOCK-shaped carries: BLOCK / (32 num_warps) registers each."""
+    new = hit & (first < 0)
+    return acc + tl.where(new, 0.0, g), tl.where(new, idx, first)

@@ -185,6 +185,25 @@ def test_a_gemm_config_is_checked():
         Tuning(gemm_config=(128, 256, 64, 8, 3))
     with pytest.raises(ValueError, match="fold_group must be >= 1, got 0"):
         Tuning(fold_group=0)
+    with pytest.raises(ValueError, match="row_fixup='argmax': use 'lane' or 'block'"):
+        Tuning(row_fixup="argmax")
+    with pytest.raises(ValueError, match=r"row_config=\(3000, 8\): give \(BLOCK, num_warps\)"):
+        Tuning(row_config=(3000, 8))
+
+
+@pytest.mark.parametrize("row_fixup", ["lane", "block"])
+@pytest.mark.parametrize("target", ["live", "cached"])
+def test_each_row_fixup_at_its_own_block(triton_kernels, row_fixup, target):
+    """Tuning.row_fixup and row_config reach the row kernels: a 16-entry block (17 blocks a
+    row, the last partial) with each way of finding the largest logit."""
+    x = make_inputs(**SMALL, k=None if target == "live" else 7)
+    _PATH["tuning"] = Tuning(row_fixup=row_fixup, row_config=(16, 4))
+    try:
+        got, ref = run_both(x, _triton, grad_scale=0.5, kind="reverse_kl", ce_weight=0.3,
+                            temperature=1.5, chunk_size=5)
+    finally:
+        _PATH["tuning"] = None
+    assert_close(got, ref, torch.float32)
 
 
 def test_a_gemm_config_reaches_the_kernel(triton_kernels):

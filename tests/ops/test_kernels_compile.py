@@ -4,6 +4,7 @@ The interpreter runs the kernels' math but not their lowering: a loop-carried va
 changes type, a scalar store with a mask, a reduction with indices can pass there and fail
 to compile for the GPU. Triton's wheel ships ptxas, so compiling to a cubin needs no
 device. Runs in a subprocess: this suite sets TRITON_INTERPRET=1 for everything else.
+Both row fixups (divergence_triton.ROW_FIXUPS), each at its default live block.
 """
 
 import json
@@ -36,14 +37,14 @@ SCRIPT = textwrap.dedent("""
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
     done = []
-    for kind, ce in itertools.product((0, 1, 2), (False, True)):
+    for kind, ce, lane in itertools.product((0, 1, 2), (False, True), (False, True)):
         flags = dict(KIND=kind, HAS_CE=ce, CE_GRAD=ce, CE_SEP=ce, WRITE_CE=ce,
-                     HAS_SCALE=True, NEED_GRAD=True, ALIAS=ce)
+                     HAS_SCALE=True, NEED_GRAD=True, ALIAS=ce, LANE=lane)
         build(sparse_triton._sparse_fwd_kernel, dict(SPARSE, dz_ptr="*bf16" if ce else "*fp32"),
               dict(flags, RENORM=kind == 1, HAS_TAIL=True, BLOCK=4096, BLOCK_K=64))
         build(divergence_triton._live_fwd_kernel, dict(LIVE, dz_ptr="*bf16" if ce else "*fp32"),
-              dict(flags, STATS=ce, BLOCK=4096, BLOCK_T=512))
-        done.append([kind, ce])
+              dict(flags, STATS=ce, BLOCK=2048 if lane else 4096, BLOCK_T=512))
+        done.append([kind, ce, lane])
     print(json.dumps(done))
 """)
 
@@ -75,4 +76,4 @@ def test_row_kernels_compile_for_sm90(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                           text=True, timeout=600, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(json.loads(proc.stdout.strip().splitlines()[-1])) == 6
+    assert len(json.loads(proc.stdout.strip().splitlines()[-1])) == 12
