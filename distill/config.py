@@ -178,6 +178,14 @@ def cross_checks(run: RunConfig) -> list[str]:
                    "overwrite_tensor_vt_proxy), and inductor already fuses the RMSNorm, SwiGLU "
                    "and RoPE that Liger would replace; choose one (docs/benchmarks.md "
                    "measures both)")
+    clip = trainer.get("gradient_clip_val")
+    if (run.optimizer.get("fused") is True and clip and float(clip) > 0
+            and "mixed" in str(trainer.get("precision", ""))):
+        out.append(f"optimizer.fused=true with trainer.gradient_clip_val={clip} under "
+                   f"trainer.precision={trainer.get('precision')}: Lightning clips no "
+                   "gradients of an optimizer that unscales them in its own step (a fused "
+                   "one) and stops at the first step; set optimizer.fused=null (torch's "
+                   "foreach AdamW) or trainer.gradient_clip_val=null")
     out += _device_checks(trainer)
     out += _nothing_learns(run.loss)
     return out

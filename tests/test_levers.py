@@ -165,3 +165,21 @@ def test_bench_train_tiny_runs_every_row_on_cpu(tmp_path):
     assert by["qwen: distill: largest micro-batch"]["largest_rows"] == 2
     assert by["lever flash-attention varlen"]["skipped"].startswith("unavailable")
     assert (tmp_path / "bench_train.json").exists()
+
+
+def test_fused_optimizer_with_clipping_under_mixed_precision_is_refused(compose_cfg):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from distill.config import ConfigError, validate
+
+    # what the run would meet at its first step: Lightning's own refusal
+    fused = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True)
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        MixedPrecision("bf16-mixed", "cpu").clip_gradients(fused, 1.0)
+    args = ("+experiment=hf_sft", "paths.data=.", "+optimizer.fused=true",
+            "trainer.precision=bf16-mixed")
+    with pytest.raises(ConfigError, match=r"optimizer.fused=true with trainer.gradient_clip_va"
+                       r"l=1.0 under trainer.precision=bf16-mixed: .*set optimizer.fused=null"):
+        validate(compose_cfg(*args))
+    validate(compose_cfg(*args, "trainer.gradient_clip_val=null"))  # no clipping: fine
+    validate(compose_cfg(*args[:-1], "trainer.precision=32-true"))  # no AMP plugin: fine
