@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from distill.module import DistillModule
 from distill.normalization import batch_masks, local_step_counts, token_weights
+from distill.optim import adamw
 from distill.teachers import LiveTeacher
 
 K_CACHED = 64
@@ -104,9 +105,9 @@ def top_k_targets(teacher: LiveTeacher, batch: dict, vocab: int, k: int = K_CACH
 
 # --- steps --------------------------------------------------------------------------------
 def make_module(student, teacher, vocab: int, lr: float = 1e-5) -> DistillModule:
+    # the runs' own optimizer (optimizer=adamw_grouped)
     module = DistillModule(student, teacher, loss={"kind": "forward_kl"},
-                           optimizer=functools.partial(torch.optim.AdamW, lr=lr,
-                                                       weight_decay=0.01),
+                           optimizer=functools.partial(adamw, lr=lr, weight_decay=0.01),
                            vocab_size=vocab)
     module.optimizer = module.configure_optimizers()
     return module

@@ -56,7 +56,12 @@ def summarize(trace: dict, min_gap_us: float = 200.0, top: int = 12) -> dict:
                 overlap[e["name"][:80]] += o
         listed.append({"at_ms": round((g0 - start) / 1e3, 2), "ms": round((g1 - g0) / 1e3, 3),
                        "host": [n for n, _ in overlap.most_common(6)]})
-    return {"span_ms": round((end - start) / 1e3, 2), "busy_ms": round(busy / 1e3, 2),
+    kernels = Counter()
+    for e in events:
+        if e.get("cat") in DEVICE_CATEGORIES:
+            kernels[e["name"][:70]] += e["dur"]
+    return {"kernels_ms": {n: round(t / 1e3, 2) for n, t in kernels.most_common(top)},
+            "span_ms": round((end - start) / 1e3, 2), "busy_ms": round(busy / 1e3, 2),
             "idle_ms": round((end - start - busy) / 1e3, 2),
             "gaps_over_min": len(gaps), "gap_ms_over_min": round(
                 sum(b - a for a, b in gaps) / 1e3, 2), "largest": listed}
