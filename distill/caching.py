@@ -67,6 +67,7 @@ def _cache(cfg: DictConfig, run) -> dict:
                  if not isinstance(cb, ModelCheckpoint)]
     trainer = instantiate(cfg.trainer, callbacks=[job.writer, *callbacks], logger=False,
                           use_distributed_sampler=False, enable_checkpointing=False)
+    data.for_device(trainer.strategy.root_device.type)  # job.collate is data.collate
     return job.run(trainer, model)
 
 

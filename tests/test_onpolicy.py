@@ -69,6 +69,25 @@ def _window():
     return [sft, prompts]
 
 
+
+def test_rewritten_rows_are_padded_to_the_width_multiple_and_capped():
+    """The rollout's batches take the loader's width rule (distill.data.collate): their
+    longest row rounded up to `multiple`, never past `cap` unless a row is longer."""
+    cfg = OnPolicyConfig(fraction=1.0, max_new_tokens=4)
+    plain, _ = rollout(_window(), cfg, 13, 0, [EOS], TableSampler(), None)
+    padded, _ = rollout(_window(), cfg, 13, 0, [EOS], TableSampler(), None, multiple=8)
+    capped, _ = rollout(_window(), cfg, 13, 0, [EOS], TableSampler(), None, multiple=8, cap=7)
+    for a, b, c in zip(plain, padded, capped):
+        n = a["input_ids"].shape[1]
+        assert n == int(a["attention_mask"].sum(1).max())  # multiple=1: the longest row
+        assert b["input_ids"].shape[1] == -(-n // 8) * 8 and c["input_ids"].shape[1] == max(n, 7)
+        for got in (b, c):
+            w = got["input_ids"].shape[1]
+            assert torch.equal(got["input_ids"][:, :n], a["input_ids"])
+            assert torch.equal(got["labels"][:, :n], a["labels"])
+            assert not got["attention_mask"][:, n:].any() and (got["labels"][:, n:] == -100).all()
+            assert got["input_ids"].shape == (2, w)
+
 # TableSampler at seed 13 (4 new tokens at most): [1, 5, 6] and [1, 6, 6, 2] end with an eos,
 # [1, 5] and [1, 7, 3] are cut; the two prompt-only rows are always sampled, so every
 # fraction's rollout has both kinds of ending

@@ -26,16 +26,38 @@ def pad(rows: list, value: int, width: int | None = None, side: str = "right"):
     return out, mask
 
 
-class PadCollator:
-    """Tokenized examples (or packed rows) -> one right-padded batch dict."""
+# sdpa's cuDNN kernel, the one torch picks on Hopper GPUs, builds a graph for each new
+# sequence length: 0.5-0.9 s a pass on the H200 (docs/benchmarks.md, the unpacked run). Rows
+# padded to a multiple of this meet at most max_length / 64 widths in a run, not one a batch.
+CUDA_WIDTH_MULTIPLE = 64
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
+
+def width_multiple(setting: int | None, device_type: str) -> int:
+    """`data.pad_to_multiple_of` as a run uses it: null is CUDA_WIDTH_MULTIPLE where the
+    batches go to a CUDA device, 1 elsewhere."""
+    if setting is not None:
+        return setting
+    return CUDA_WIDTH_MULTIPLE if device_type == "cuda" else 1
+
+
+def padded_width(longest: int, multiple: int, cap: int | None = None) -> int:
+    """`longest` rounded up to `multiple`, never past `cap` (a model's rows may not be
+    longer than the run's max_length) unless `longest` itself is."""
+    width = -(-longest // multiple) * multiple
+    return width if cap is None else max(longest, min(width, cap))
+
+
+class PadCollator:
+    """Tokenized examples (or packed rows) -> one right-padded batch dict, `cap` the widest
+    a padded batch may become (data.max_length)."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1, cap: int | None = None):
         self.pad_token_id = pad_token_id
-        self.multiple = pad_to_multiple_of
+        self.multiple, self.cap = pad_to_multiple_of, cap
 
     def __call__(self, examples: list[dict]) -> dict:
         longest = max(len(ex["input_ids"]) for ex in examples)
-        width = -(-longest // self.multiple) * self.multiple
+        width = padded_width(longest, self.multiple, self.cap)
         input_ids, attention_mask = pad([ex["input_ids"] for ex in examples],
                                         self.pad_token_id, width)
         labels, _ = pad([ex["labels"] for ex in examples], IGNORE_INDEX, width)

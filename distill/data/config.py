@@ -62,7 +62,9 @@ class DataConfig:
     shuffle: bool = setting(True, boolean())
     num_workers: int = setting(0, integer(0))
     seed: int = setting(0, integer(0))
-    pad_to_multiple_of: int = setting(1, integer(1))
+    # null: 64 where the batches go to a CUDA device (sdpa's cuDNN kernel builds a graph
+    # for each new length), 1 elsewhere; packed rows are padded to max_length
+    pad_to_multiple_of: int | None = setting(None, integer(1, null=True))
     chat_template: str | None = setting(None, text(null=True))
     assistant_turns: str = setting("all", choice(("all", "last")))
     cpt_stride: int | None = setting(None, integer(1, null=True, what=" (null: max_length - 1)"))

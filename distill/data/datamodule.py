@@ -12,7 +12,7 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from distill.data.chat import resolve_template
-from distill.data.collate import PadCollator
+from distill.data.collate import PadCollator, width_multiple
 from distill.data.config import DataConfig
 from distill.data.files import source_name
 from distill.data.pack import pack_dataset
@@ -93,14 +93,22 @@ class DistillDataModule(L.LightningDataModule):
         self.cross = cross
         # packed rows are padded to max_length: one shape, which compiled kernels
         # (flex_attention, torch.compile) see once instead of once per batch
-        multiple = cfg.max_length if cfg.packing else cfg.pad_to_multiple_of
-        self.collate = PadCollator(tokenizer.pad_token_id, multiple)
+        multiple = cfg.max_length if cfg.packing else (cfg.pad_to_multiple_of or 1)
+        self.collate = PadCollator(tokenizer.pad_token_id, multiple, cap=cfg.max_length)
         if cross is not None:  # both models' tokens, each padded with its own pad id
             self.collate = cross.collate
             self.options["teacher_max_length"] = cfg.teacher_max_length
         self.train_set = self.val_set = self.train_examples = None
 
+    def for_device(self, device_type: str) -> None:
+        """Pad unpacked batches as `data.pad_to_multiple_of` says for a run on this device
+        (null: distill.data.collate.width_multiple)."""
+        if not self.packing:
+            self.collate.multiple = width_multiple(self.cfg.pad_to_multiple_of, device_type)
+
     def setup(self, stage: str | None = None):
+        if self.trainer is not None:  # inside a Trainer: its device is known
+            self.for_device(self.trainer.strategy.root_device.type)
         if self.train_set is None:
             # one example per row; what a teacher cache is keyed by, packed or not
             self.train_examples = build_dataset(self.train_sources, self.tokenizer,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from distill.constants import IGNORE_INDEX
-from distill.data.collate import pad
+from distill.data.collate import pad, padded_width
 from distill.onpolicy.config import OnPolicyConfig
 
 WIDTH_KEYS = ("input_ids", "attention_mask", "labels")
@@ -76,10 +76,13 @@ def _rows(batches: list[dict]) -> list[tuple[int, list[int], list[int]]]:
 
 def rollout(batches: list[dict], cfg: OnPolicyConfig, seed: int, pad_id: int,
             eos_ids: list[int], student_sampler, student, teacher_sampler=None,
-            teacher=None) -> tuple[list[dict], RolloutStats]:
+            teacher=None, multiple: int = 1,
+            cap: int | None = None) -> tuple[list[dict], RolloutStats]:
     """The window's micro-batches with the chosen rows rewritten by the student, or by the
     teacher for a `cfg.teacher_fraction` share of them. Each batch gains `sampled` (B,) bool
-    (a sample) and `by_teacher` (B,) bool (the teacher's)."""
+    (a sample) and `by_teacher` (B,) bool (the teacher's); its width is its longest row
+    rounded up to `multiple` (distill.data.collate.width_multiple says why), never past
+    `cap` (the student's positions) unless the row itself is."""
     start = time.perf_counter()
     rows = _rows(batches)
     plens = [prompt_length(lab) for _, _, lab in rows]
@@ -108,15 +111,18 @@ def rollout(batches: list[dict], cfg: OnPolicyConfig, seed: int, pad_id: int,
         built[k] = (p + list(c), [IGNORE_INDEX] * len(p) + list(c), TEACHER if t else STUDENT)
     out = []
     for b, batch in enumerate(batches):
-        out.append(_collate(batch, [x for x, r in zip(built, rows) if r[0] == b], pad_id))
+        out.append(_collate(batch, [x for x, r in zip(built, rows) if r[0] == b], pad_id,
+                            multiple, cap))
     stats.seconds = time.perf_counter() - start
     return out, stats
 
 
-def _collate(batch: dict, built: list, pad_id: int) -> dict:
+def _collate(batch: dict, built: list, pad_id: int, multiple: int = 1,
+             cap: int | None = None) -> dict:
     """Right-padded tensors from (ids, labels, writer) rows; other keys kept as they are."""
-    ids, attn = pad([r for r, _, _ in built], pad_id)
-    labels, _ = pad([lab for _, lab, _ in built], IGNORE_INDEX)
+    width = padded_width(max((len(r) for r, _, _ in built), default=0), multiple, cap)
+    ids, attn = pad([r for r, _, _ in built], pad_id, width)
+    labels, _ = pad([lab for _, lab, _ in built], IGNORE_INDEX, width)
     out = {k: v for k, v in batch.items() if k not in WIDTH_KEYS}
     source = torch.tensor([s for _, _, s in built])
     out.update(input_ids=ids, attention_mask=attn, labels=labels, sampled=source != DATASET,

@@ -3,6 +3,7 @@ window with samples (the student's, and the teacher's for `teacher_fraction` of 
 
 from __future__ import annotations
 
+from distill.data.collate import width_multiple
 from distill.data.windows import WindowInfo
 from distill.onpolicy.config import OnPolicyConfig
 from distill.onpolicy.rollout import RolloutStats, rollout, window_seed
@@ -69,7 +70,9 @@ class OnPolicyStep:
                                                eos=self.eos)
         else:
             rolled, stats = rollout(info.batches, self.cfg, seed, self.pad, self.eos,
-                                    *samplers)
+                                    *samplers, multiple=width_multiple(None, device),
+                                    cap=getattr(getattr(student, "config", None),
+                                                "max_position_embeddings", None))
         info.rolled = rolled
         return stats
 

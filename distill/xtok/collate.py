@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from distill.data.collate import PadCollator
+from distill.data.collate import PadCollator, padded_width
 
 IGNORE_INDEX = -100
 
@@ -29,13 +29,21 @@ class PairCollator:
         self.student = PadCollator(pad_token_id, pad_to_multiple_of)
         self.teacher_pad, self.multiple = teacher_pad_token_id, pad_to_multiple_of
 
+    @property
+    def multiple(self) -> int:
+        return self._multiple
+
+    @multiple.setter
+    def multiple(self, value: int) -> None:  # both models' rows
+        self._multiple = self.student.multiple = value
+
     def __call__(self, examples: list[dict]) -> dict:
         if "position_ids" in examples[0]:
             raise ValueError("cross-tokenizer batches cannot be packed yet: set "
                              "data.packing=false")
         batch = self.student(examples)
         longest = max(len(ex["teacher_input_ids"]) for ex in examples)
-        width = -(-longest // self.multiple) * self.multiple
+        width = padded_width(longest, self.multiple)
         ids = torch.full((len(examples), width), self.teacher_pad, dtype=torch.long)
         attn = torch.zeros((len(examples), width), dtype=torch.long)
         t_labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)

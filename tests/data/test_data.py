@@ -59,3 +59,62 @@ def test_mix_draws_from_both_sources(tiny_assets, tmp_path):
     assert masked.any()  # SFT prompts are masked, CPT rows are not
     assert torch.equal(batch["labels"][batch["labels"] != -100],
                        batch["input_ids"][batch["labels"] != -100])
+
+
+def test_padded_widths_round_up_and_stop_at_the_cap():
+    from distill.data.collate import CUDA_WIDTH_MULTIPLE, padded_width, width_multiple
+
+    assert [padded_width(n, 64) for n in (1, 63, 64, 65, 2000)] == [64, 64, 64, 128, 2048]
+    assert padded_width(2000, 64, cap=2010) == 2010  # never past max_length...
+    assert padded_width(2020, 64, cap=2010) == 2020  # ...unless the row itself is longer
+    assert padded_width(7, 1) == 7
+    assert width_multiple(None, "cuda") == CUDA_WIDTH_MULTIPLE == 64
+    assert width_multiple(None, "cpu") == 1 and width_multiple(8, "cuda") == 8
+    batch = PadCollator(0, 4, cap=6)([{"input_ids": [5] * 5, "labels": [5] * 5}])
+    assert batch["input_ids"].shape == (1, 6) and batch["attention_mask"].sum() == 5
+
+
+def _rows_module(tok, tmp_path, **settings):
+    rows = [{"messages": [{"role": "user", "content": "q" * n},
+                          {"role": "assistant", "content": "a"}]} for n in range(1, 40)]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dm = DistillDataModule(tok, train=[{"name": "s", "kind": "sft",
+                                        "path": str(tmp_path / "s.jsonl")}],
+                           batch_size=4, max_length=100, **settings)
+    dm.setup("fit")
+    return dm
+
+
+def test_unpacked_widths_follow_the_device(tiny_assets, tmp_path):
+    """data.pad_to_multiple_of=null: batches headed for a CUDA device are padded to a
+    multiple of 64 (capped at max_length), elsewhere to their longest row; a set value is
+    kept on every device; packed rows stay at max_length."""
+    tok = load_tokenizer(str(tiny_assets["teacher"]))
+    dm = _rows_module(tok, tmp_path)
+    widths = [b["input_ids"].shape[1] for b in dm.train_dataloader()]
+    longest = [int(b["attention_mask"].sum(1).max()) for b in dm.train_dataloader()]
+    assert widths == longest and len(set(widths)) > 3  # on the CPU: exactly the longest
+    dm.for_device("cuda")
+    for b in dm.train_dataloader():
+        n = int(b["attention_mask"].sum(1).max())
+        assert b["input_ids"].shape[1] == min(-(-n // 64) * 64, 100)
+        assert (b["labels"][b["attention_mask"] == 0] == -100).all()
+    fixed = _rows_module(tok, tmp_path, pad_to_multiple_of=8)
+    fixed.for_device("cuda")
+    assert all(b["input_ids"].shape[1] % 8 == 0 for b in fixed.train_dataloader())
+    packed = _rows_module(tok, tmp_path, packing=True)
+    packed.for_device("cuda")
+    assert {b["input_ids"].shape[1] for b in packed.train_dataloader()} == {100}
+
+
+def test_setup_inside_a_trainer_pads_for_its_device(tiny_assets, tmp_path):
+    from types import SimpleNamespace
+
+    tok = load_tokenizer(str(tiny_assets["teacher"]))
+    dm = _rows_module(tok, tmp_path)
+    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda")))
+    dm.setup("fit")  # what Lightning calls once the trainer is attached
+    assert dm.collate.multiple == 64
+    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    dm.setup("fit")
+    assert dm.collate.multiple == 1
