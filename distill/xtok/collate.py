@@ -25,9 +25,13 @@ IGNORE_INDEX = -100
 
 
 class PairCollator:
-    def __init__(self, pad_token_id: int, teacher_pad_token_id: int, pad_to_multiple_of: int = 1):
-        self.student = PadCollator(pad_token_id, pad_to_multiple_of)
-        self.teacher_pad, self.multiple = teacher_pad_token_id, pad_to_multiple_of
+    """`caps`: the widest each side's padded rows may become (max_length, and the teacher's)."""
+
+    def __init__(self, pad_token_id: int, teacher_pad_token_id: int, pad_to_multiple_of: int = 1,
+                 caps: tuple[int | None, int | None] = (None, None)):
+        self.student = PadCollator(pad_token_id, pad_to_multiple_of, cap=caps[0])
+        self.teacher_pad, self.multiple, self.teacher_cap = (teacher_pad_token_id,
+                                                             pad_to_multiple_of, caps[1])
 
     @property
     def multiple(self) -> int:
@@ -43,7 +47,7 @@ class PairCollator:
                              "data.packing=false")
         batch = self.student(examples)
         longest = max(len(ex["teacher_input_ids"]) for ex in examples)
-        width = padded_width(longest, self.multiple)
+        width = padded_width(longest, self.multiple, self.teacher_cap)
         ids = torch.full((len(examples), width), self.teacher_pad, dtype=torch.long)
         attn = torch.zeros((len(examples), width), dtype=torch.long)
         t_labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)

@@ -82,5 +82,7 @@ def cross_setup(run, with_offsets: bool = False) -> CrossSetup:
                                                         teacher_tok.eos_token)
     retok = Retokenizer(student_tok, teacher_tok, s_eot, t_eot)
     collate = PairCollator(student_tok.pad_token_id, teacher_tok.pad_token_id,
-                           run.data.pad_to_multiple_of or 1)  # null: decided per device
+                           run.data.pad_to_multiple_of or 1,  # null: decided per device
+                           caps=(run.data.max_length,
+                                 run.data.teacher_max_length or run.data.max_length))
     return CrossSetup(student_tok, teacher_tok, pair, vocab_map, retok, collate)

@@ -121,6 +121,23 @@ def test_batch_spans_point_at_the_right_rows(toks):
                for ex, p in zip(examples, prompt))
 
 
+
+def test_pair_batches_padded_to_the_multiple_within_each_side_cap(toks):
+    """Both sides' widths follow the loader's rule (distill.data.collate.padded_width); the
+    spans stay those of the unpadded rows."""
+    examples, plain, _ = batch_of(toks, "qwen", "llama3")
+    s_n, t_n = plain["input_ids"].shape[1], plain["teacher_input_ids"].shape[1]
+    collate = PairCollator(toks["qwen"].pad_token_id, toks["llama3"].pad_token_id, 1,
+                           caps=(s_n + 3, t_n + 70))
+    collate.multiple = 64  # what DistillDataModule.for_device("cuda") sets
+    batch = collate(examples)
+    # the next multiple of 64, or the student's cap where that is nearer
+    assert batch["input_ids"].shape[1] == min(-(-s_n // 64) * 64, s_n + 3) > s_n - 1
+    assert batch["teacher_input_ids"].shape[1] == -(-t_n // 64) * 64  # under its cap
+    assert torch.equal(batch["xtok_spans"], plain["xtok_spans"])
+    assert torch.equal(batch["teacher_input_ids"][:, :t_n], plain["teacher_input_ids"])
+    assert not batch["teacher_attention_mask"][:, t_n:].any()
+
 def test_cached_teacher_equals_live_and_refuses_mismatches(toks, tmp_path):
     examples, batch, vmap = batch_of(toks, "llama3", "qwen", with_offsets=True)
     t_model = model("qwen", len(toks["qwen"]), 1)
