@@ -86,6 +86,25 @@ def test_compile_wraps_every_decoder_layer_and_computes_the_same():
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
+
+def test_compile_with_gradient_checkpointing_computes_the_same():
+    """The two levers together (compiled layers that recompute in backward): the same hidden
+    states and every gradient as neither. aot_eager traces the backward as inductor does,
+    without a compiler on the CI machine."""
+    plain, both = tiny_llama(layers=2), tiny_llama(layers=2)
+    applied = apply_levers(Speed(compile=True, compile_backend="aot_eager",
+                                 gradient_checkpointing=True), both)
+    assert applied == ["gradient_checkpointing", "compile"]
+    assert all(layer._compiled_call_impl is not None and layer.gradient_checkpointing
+               for layer in decoder_layers(both))
+    ids = torch.randint(0, 97, (2, 9))
+    h0, g0 = hidden_and_grads(plain, ids)
+    h1, g1 = hidden_and_grads(both, ids)
+    torch.testing.assert_close(h1, h0, rtol=1e-12, atol=1e-12)
+    assert g1.keys() == g0.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-10, atol=1e-12, msg=name)
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
 def test_liger_refuses_without_a_gpu_or_the_package():
     with pytest.raises((ImportError, RuntimeError), match="speed.liger=true needs"):
