@@ -19,10 +19,15 @@ from distill.ops.spec import HeadTransform
 DEMO_ASSETS = Path(__file__).parent / "demo_assets"
 
 
+def looks_like_hub_name(name: str) -> bool:
+    """Hub names are "name" or "org/name"; anything else (./, /, ~, deeper) is meant as a
+    local folder."""
+    return not name.startswith((".", "/", "~")) and name.count("/") <= 1
+
+
 def resolve_path(name_or_path: str) -> str:
     """A local path must exist; anything else is passed on as a hub name."""
-    # hub names are "name" or "org/name"; anything else is meant as a local folder
-    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    looks_local = not looks_like_hub_name(name_or_path)
     path = Path(name_or_path).expanduser()
     if path.exists():
         return str(path)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from distill.models import looks_like_hub_name
+
 log = logging.getLogger(__name__)
 
 # the loss settings a card shows (the rest are speed knobs with no effect on the result)
@@ -25,10 +27,7 @@ ON_POLICY_KEYS = ("fraction", "teacher_fraction", "temperature", "top_p", "max_n
 def _is_hub_name(name: str | None) -> bool:
     """A hub id ("org/name" or "name") rather than a local folder: only those go in the
     card's metadata, which the Hub checks against its models."""
-    if not name:
-        return False
-    return not Path(name).expanduser().exists() and not name.startswith((".", "/", "~")) \
-        and name.count("/") <= 1
+    return bool(name) and not Path(name).expanduser().exists() and looks_like_hub_name(name)
 
 
 def _source(s: dict) -> str:

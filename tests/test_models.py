@@ -123,3 +123,14 @@ def test_live_teacher_around_a_model_in_memory(tiny_assets):
     a, b = loaded.targets(batch), wrapped.targets(batch)
     torch.testing.assert_close(a["teacher_hidden"], b["teacher_hidden"])
     torch.testing.assert_close(a["teacher_weight"], b["teacher_weight"])
+
+
+def test_hub_names_and_local_paths_are_told_apart_one_way():
+    from distill.models import looks_like_hub_name
+    from distill.publish import _is_hub_name
+
+    for name in ("gpt2", "Qwen/Qwen2.5-0.5B"):
+        assert looks_like_hub_name(name) and _is_hub_name(name)
+    for name in ("./student", "/models/student", "~/student", "runs/a/student"):
+        assert not looks_like_hub_name(name) and not _is_hub_name(name)
+    assert not _is_hub_name(None) and not _is_hub_name("")
