@@ -202,3 +202,22 @@ def test_fused_optimizer_with_clipping_under_mixed_precision_is_refused(compose_
         validate(compose_cfg(*args))
     validate(compose_cfg(*args, "trainer.gradient_clip_val=null"))  # no clipping: fine
     validate(compose_cfg(*args[:-1], "trainer.precision=32-true"))  # no AMP plugin: fine
+
+
+@pytest.mark.slow  # ~20 s on a 2-core CPU (make test runs it)
+def test_bench_levers_tiny_times_each_combination_in_its_own_process(tmp_path):
+    from tests.fixtures import load_script
+
+    bench = load_script("bench/bench_levers.py")
+    got = bench.main(["--tiny", "--out", str(tmp_path), "--combos",
+                      "none,compile + checkpointing,liger", "--timeout", "300"])
+    for name in ("none", "compile + checkpointing"):
+        r = got[name]
+        assert r["step"]["ms"] > 0 and r["teacher forward"]["ms"] > 0, r
+        assert r["step / teacher forward"] == r["step"]["ms"] / r["teacher forward"]["ms"]
+    assert got["compile + checkpointing"]["applied"] == ["gradient_checkpointing", "compile"]
+    assert got["none"]["applied"] == []
+    if not torch.cuda.is_available():
+        assert got["liger"] == {"skipped": "Liger's kernels need a CUDA GPU"}
+    assert "refused before loading" in got["compile + liger"]
+    assert (tmp_path / "levers.json").exists()
