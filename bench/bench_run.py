@@ -31,7 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-GAP_STEPS = 2  # profiled steps (--gaps), right after the warm-up; left out of the ratios
+# profiled steps (--gaps), right after the warm-up; left out of the ratios with the step
+# after them, whose time holds the trace's export in the run
+GAP_STEPS = 2
 VARIANTS = {  # name -> (packing, cached teacher)
     "packed": (True, False),
     "unpacked": (False, False),
@@ -128,6 +130,7 @@ def step_bench(args, root: Path, name: str, packing: bool, cached: bool) -> dict
     tok = load_tokenizer(run.teacher.name_or_path)
     data = DistillDataModule(tok, run.data)
     data.setup("fit")
+    data.for_device(device.type)  # the run's padding: its setup does this inside the Trainer
     torch.manual_seed(0)
     with torch.device(device):
         student = AutoModelForCausalLM.from_config(
@@ -151,7 +154,7 @@ def step_bench(args, root: Path, name: str, packing: bool, cached: bool) -> dict
     Run.device = device
     from gaps import profiled
 
-    ms, tokens = [], []
+    ms, tokens, widths = [], [], []
     for i, batch in enumerate(loader):
         if i == args.warmup + args.bench_steps:
             break
@@ -171,13 +174,14 @@ def step_bench(args, root: Path, name: str, packing: bool, cached: bool) -> dict
         if args.gaps and i == args.warmup + GAP_STEPS - 1:
             gap_ctx.__exit__(None, None, None)
         tokens.append(int(batch["attention_mask"].sum()))
+        widths.append(int(batch["input_ids"].shape[-1]))
         if i + 1 == args.warmup and Run.cuda:
             torch.cuda.reset_peak_memory_stats()
     steady = list(zip(ms, tokens))[args.warmup:]
     med = statistics.median(m for m, _ in steady)
     toks = statistics.median(t for _, t in steady)
     out = {"median_ms": med, "median_tokens": toks, "tokens_per_s": toks / med * 1000,
-           "ms": ms, "tokens": tokens}
+           "ms": ms, "tokens": tokens, "widths": widths}
     if Run.cuda:
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
@@ -257,7 +261,7 @@ def main(argv=None) -> int:
         rc = run_cmd(cmd, args.out / f"step_{name}.log", args.timeout)
         got = args.out / f"step_{name}.json"
         row["step"] = json.loads(got.read_text()) if got.exists() else {"rc": rc}
-        skip = set(range(args.warmup, args.warmup + GAP_STEPS)) if args.gaps else set()
+        skip = set(range(args.warmup, args.warmup + GAP_STEPS + 1)) if args.gaps else set()
         row["same_batches"] = same_batches(row["run"], row["step"], args.warmup, skip)
         results[name] = row
         (args.out / "bench_run.json").write_text(json.dumps(results, indent=1))
@@ -271,8 +275,9 @@ def same_batches(run: dict, step: dict, warmup: int, skip: set[int]) -> dict | N
     the profiled steps left out."""
     n = min(len(run.get("ms", [])), len(step.get("ms", [])))
     idx = [i for i in range(warmup, n) if i not in skip]
-    if not idx or run["tokens"][:n] != step["tokens"][:n]:
-        return None  # not the same batches: no ratio
+    same = all(run.get(k, [])[:n] == step.get(k, [])[:n] for k in ("tokens", "widths"))
+    if not idx or not same:
+        return None  # not the same batches, or not padded alike: no ratio
 
     def rate(x):
         return sum(x["tokens"][i] for i in idx) / sum(x["ms"][i] for i in idx) * 1000

@@ -91,7 +91,8 @@ class GapProfile(L.Callback):
         self._ctx, self._done = None, False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self._ctx is None and not self._done and trainer.global_step == self.start:
+        if (self._ctx is None and not self._done and trainer.is_global_zero
+                and trainer.global_step == self.start):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self._ctx = profiled(self.path)
@@ -101,5 +102,12 @@ class GapProfile(L.Callback):
         if self._ctx is not None and trainer.global_step == self.start + self.steps:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            self._ctx.__exit__(None, None, None)
-            self._ctx, self._done = None, True
+            self._close()
+
+    def on_train_end(self, trainer, pl_module):
+        if self._ctx is not None:  # training ended inside the profiled steps
+            self._close()
+
+    def _close(self):
+        self._ctx.__exit__(None, None, None)
+        self._ctx, self._done = None, True

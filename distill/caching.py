@@ -50,7 +50,7 @@ def _cache(cfg: DictConfig, run) -> dict:
     # the teacher's: what the cache records (training compares the student's with it)
     tokenizer = load_tokenizer(run.teacher.tokenizer_path, who="teacher")
     # the cache is per example, whether training packs them (data.packing) or not; its
-    # batches are padded to their longest example, never to a packed row's max_length
+    # batches are padded as unpacked ones are (for_device below), never to max_length
     data = DistillDataModule(tokenizer, dataclasses.replace(run.data, packing=False))
     data.setup("fit")
     splits = {"train": data.train_set, "val": data.val_set}

@@ -179,8 +179,11 @@ def cross_checks(run: RunConfig) -> list[str]:
                    "and RoPE that Liger would replace; choose one (docs/benchmarks.md "
                    "measures both)")
     clip = trainer.get("gradient_clip_val")
-    if (run.optimizer.get("fused") is True and clip and float(clip) > 0
-            and "mixed" in str(trainer.get("precision", ""))):
+    # Lightning's AMP plugins ("16" and "bf16" are its names for the mixed ones); FSDP clips
+    # through the wrapped module (DistillModule.configure_gradient_clipping), never through it
+    amp = str(trainer.get("precision", "")) in ("16-mixed", "bf16-mixed", "16", "bf16")
+    fsdp = "fsdp" in str(trainer.get("strategy", "")).lower()
+    if run.optimizer.get("fused") is True and clip and float(clip) > 0 and amp and not fsdp:
         out.append(f"optimizer.fused=true with trainer.gradient_clip_val={clip} under "
                    f"trainer.precision={trainer.get('precision')}: Lightning clips no "
                    "gradients of an optimizer that unscales them in its own step (a fused "

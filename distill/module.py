@@ -29,7 +29,8 @@ from distill.rules import parse
 class DistillModule(L.LightningModule):
     def __init__(self, student, teacher, loss: LossConfig | dict, optimizer, scheduler=None,
                  vocab_size: int | None = None, eos_token_id: int | None = None,
-                 onpolicy: OnPolicyStep | None = None, cross=None):
+                 onpolicy: OnPolicyStep | None = None, cross=None,
+                 pad_to_multiple_of: int | None = None):
         super().__init__()
         self.cfg = loss if isinstance(loss, LossConfig) else parse(LossConfig, loss, "loss.")
         self.save_hyperparameters({"loss": dataclasses.asdict(self.cfg), "vocab_size": vocab_size})
@@ -40,7 +41,7 @@ class DistillModule(L.LightningModule):
         if onpolicy is None and op.samples:
             onpolicy = OnPolicyStep(op, student, getattr(teacher, "model", None),
                                     vocab_size=vocab_size, eos_token_id=eos_token_id,
-                                    cross=cross)
+                                    cross=cross, pad_to_multiple_of=pad_to_multiple_of)
         self.onpolicy = onpolicy
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.sums = StepSums()

@@ -80,7 +80,7 @@ def train(cfg: DictConfig, *, student=None, teacher=None) -> dict:
             student, teacher, run.loss, optimizer=assemble.instantiate(cfg.optimizer),
             scheduler=assemble.instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
             vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
-            cross=cross)
+            cross=cross, pad_to_multiple_of=run.data.pad_to_multiple_of)
         logger = assemble.loggers(cfg)
         trainer = assemble.build_trainer(cfg, callbacks, logger)
         with interrupted_outside_steps(trainer):

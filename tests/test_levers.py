@@ -1,5 +1,6 @@
 """The performance switches (distill/levers.py) and the step benchmark's CPU path."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -202,6 +203,9 @@ def test_fused_optimizer_with_clipping_under_mixed_precision_is_refused(compose_
         validate(compose_cfg(*args))
     validate(compose_cfg(*args, "trainer.gradient_clip_val=null"))  # no clipping: fine
     validate(compose_cfg(*args[:-1], "trainer.precision=32-true"))  # no AMP plugin: fine
+    for alias in ("16", "bf16"):  # Lightning's other names of its AMP plugins
+        with pytest.raises(ConfigError, match="optimizer.fused=true with"):
+            validate(compose_cfg(*args[:-1], f"trainer.precision={alias}"))
 
 
 @pytest.mark.slow  # ~20 s on a 2-core CPU (make test runs it)
@@ -214,10 +218,9 @@ def test_bench_levers_tiny_times_each_combination_in_its_own_process(tmp_path):
     for name in ("none", "compile + checkpointing"):
         r = got[name]
         assert r["step"]["ms"] > 0 and r["teacher forward"]["ms"] > 0, r
-        assert r["step / teacher forward"] == r["step"]["ms"] / r["teacher forward"]["ms"]
+    # each combination ran in its own process with its own levers
     assert got["compile + checkpointing"]["applied"] == ["gradient_checkpointing", "compile"]
     assert got["none"]["applied"] == []
     if not torch.cuda.is_available():
         assert got["liger"] == {"skipped": "Liger's kernels need a CUDA GPU"}
-    assert "refused before loading" in got["compile + liger"]
-    assert (tmp_path / "levers.json").exists()
+    assert json.loads((tmp_path / "levers.json").read_text()).keys() == got.keys()

@@ -25,7 +25,8 @@ class StepTimer(L.Callback):
         self.path, self.warmup = Path(path), warmup
         self.ms: list[float] = []
         self.tokens: list[int] = []
-        self._step_tokens, self._last, self._seen_step = 0, None, 0
+        self.widths: list[int] = []  # the widest micro-batch of each step (its padded length)
+        self._step_tokens, self._step_width, self._last, self._seen_step = 0, 0, None, 0
 
     def _sync(self) -> None:
         if torch.cuda.is_available():
@@ -45,7 +46,9 @@ class StepTimer(L.Callback):
             self._last += time.perf_counter() - self._val_t0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._step_tokens += real_tokens(trained_batch(batch))
+        trained = trained_batch(batch)
+        self._step_tokens += real_tokens(trained)
+        self._step_width = max(self._step_width, int(trained["input_ids"].shape[-1]))
         if trainer.global_step == self._seen_step:
             return  # still inside the step's window
         self._seen_step = trainer.global_step
@@ -53,14 +56,15 @@ class StepTimer(L.Callback):
         now = time.perf_counter()
         self.ms.append(1000 * (now - self._last))
         self.tokens.append(self._step_tokens)
-        self._last, self._step_tokens = now, 0
+        self.widths.append(self._step_width)
+        self._last, self._step_tokens, self._step_width = now, 0, 0
         if len(self.ms) == self.warmup and torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
 
     def summary(self) -> dict:
         steady = list(zip(self.ms, self.tokens))[self.warmup:]
         out = {"steps": len(self.ms), "warmup": self.warmup, "ms": self.ms,
-               "tokens": self.tokens}
+               "tokens": self.tokens, "widths": self.widths}
         if steady:
             ms = statistics.median(m for m, _ in steady)
             toks = statistics.median(t for _, t in steady)

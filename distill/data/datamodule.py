@@ -94,17 +94,19 @@ class DistillDataModule(L.LightningDataModule):
         # packed rows are padded to max_length: one shape, which compiled kernels
         # (flex_attention, torch.compile) see once instead of once per batch
         multiple = cfg.max_length if cfg.packing else (cfg.pad_to_multiple_of or 1)
-        self.collate = PadCollator(tokenizer.pad_token_id, multiple, cap=cfg.max_length)
+        # `padding` makes the rows a batch; `collate` may wrap it (a cached teacher's targets)
+        self.padding = PadCollator(tokenizer.pad_token_id, multiple, cap=cfg.max_length)
         if cross is not None:  # both models' tokens, each padded with its own pad id
-            self.collate = cross.collate
+            self.padding = cross.collate
             self.options["teacher_max_length"] = cfg.teacher_max_length
+        self.collate = self.padding
         self.train_set = self.val_set = self.train_examples = None
 
     def for_device(self, device_type: str) -> None:
         """Pad unpacked batches as `data.pad_to_multiple_of` says for a run on this device
         (null: distill.data.collate.width_multiple)."""
         if not self.packing:
-            self.collate.multiple = width_multiple(self.cfg.pad_to_multiple_of, device_type)
+            self.padding.multiple = width_multiple(self.cfg.pad_to_multiple_of, device_type)
 
     def setup(self, stage: str | None = None):
         if self.trainer is not None:  # inside a Trainer: its device is known

@@ -23,16 +23,17 @@ def make_sampler(name: str, settings: SamplingSettings, device_type: str):
 
 class OnPolicyStep:
     """`cross` (a distill.xtok CrossSetup): the teacher has its own tokenizer; each sample
-    is re-tokenized for the other model (distill.xtok.rollout)."""
+    is re-tokenized for the other model (distill.xtok.rollout). `pad_to_multiple_of`: the
+    run's `data.pad_to_multiple_of`, which the rewritten rows follow (null: per device)."""
 
     def __init__(self, cfg: OnPolicyConfig, student, teacher_model, *, vocab_size,
-                 eos_token_id=None, cross=None):
+                 eos_token_id=None, cross=None, pad_to_multiple_of: int | None = None):
         if teacher_model is None:
             raise ValueError(f"loss.on_policy.fraction={cfg.fraction} needs a live teacher to "
                              "score the student's samples; a cached teacher only knows the "
                              "dataset's tokens. Use a live teacher (teacher.kind=live) or "
                              "set loss.on_policy.fraction=0")
-        self.cfg, self.teacher = cfg, teacher_model
+        self.cfg, self.teacher, self.pad_to_multiple_of = cfg, teacher_model, pad_to_multiple_of
         self.eos = stop_tokens(student, eos_token_id)
         pad = student.config.pad_token_id
         self.pad = pad if pad is not None else self.eos[0]
@@ -70,7 +71,8 @@ class OnPolicyStep:
                                                eos=self.eos)
         else:
             rolled, stats = rollout(info.batches, self.cfg, seed, self.pad, self.eos,
-                                    *samplers, multiple=width_multiple(None, device),
+                                    *samplers,
+                                    multiple=width_multiple(self.pad_to_multiple_of, device),
                                     cap=getattr(getattr(student, "config", None),
                                                 "max_position_embeddings", None))
         info.rolled = rolled

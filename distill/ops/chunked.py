@@ -55,9 +55,11 @@ class Tuning:
         if self.row_fixup not in ("lane", "block"):
             raise ValueError(f"row_fixup={self.row_fixup!r}: use 'lane' or 'block'")
         if self.row_config is not None and (
-                len(self.row_config) != 2 or self.row_config[0] & (self.row_config[0] - 1)):
+                len(self.row_config) != 2 or self.row_config[0] < 16
+                or self.row_config[0] & (self.row_config[0] - 1)
+                or self.row_config[1] not in (1, 2, 4, 8, 16, 32)):
             raise ValueError(f"row_config={self.row_config!r}: give (BLOCK, num_warps), "
-                             "BLOCK a power of two")
+                             "BLOCK a power of two >= 16, num_warps a power of two <= 32")
 
 
 DEFAULT_TUNING = Tuning()

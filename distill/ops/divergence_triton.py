@@ -35,9 +35,10 @@ _KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
 # scripts/bench_loss.py --tune re-measures them. Registers a thread (sm_90, ptxas) decide
 # the programs an SM holds: the live kernel's per-lane bookkeeping ("lane" below) holds two
 # BLOCK-shaped carries, 73-80 registers at 2048 (3 programs per SM), 128 and spills at 4096;
-# "block" needed 100-127 at 4096 (2 programs), 48-80 at 2048. The cached kernel's measured
-# 8192 is halved since the largest-logit bookkeeping (issue 10): 103-117 registers at 4096
-# ("lane"; "block" 111-128), 2 programs per SM.
+# "block" needed 100-128 at 4096 (2 programs; 188 for JSD with the CE: 1), 48-80 at 2048. The
+# cached kernel's measured 8192 is halved since the largest-logit bookkeeping (issue 10):
+# 121-127 registers at 4096 ("lane"; "block" 111-128), 2 programs per SM
+# (docs/notes/kernels.md, "Fourth session", has the table).
 CONFIG = {"live": (2048, 8), "sparse": (4096, 8)}
 # How the writing pass finds the largest logit, whose entry it writes last as minus the
 # others' sum: "lane" tests z == the row's max (known from pass 1 or the tile stats) and

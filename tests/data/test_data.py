@@ -114,7 +114,26 @@ def test_setup_inside_a_trainer_pads_for_its_device(tiny_assets, tmp_path):
     dm = _rows_module(tok, tmp_path)
     dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda")))
     dm.setup("fit")  # what Lightning calls once the trainer is attached
-    assert dm.collate.multiple == 64
+    assert dm.padding.multiple == 64
     dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
     dm.setup("fit")
-    assert dm.collate.multiple == 1
+    assert dm.padding.multiple == 1
+
+
+def test_a_cached_teachers_collate_pads_for_the_device_too(tiny_assets, tmp_path):
+    """A cached teacher wraps the collate (its targets read in the loader); the width rule
+    must still reach the padding inside it."""
+    from distill.teachers import TargetsCollate
+
+    class NoCache:
+        def batch_targets(self, batch):
+            return batch["input_ids"] * 0, batch["input_ids"] * 0.0
+
+    tok = load_tokenizer(str(tiny_assets["teacher"]))
+    dm = _rows_module(tok, tmp_path)
+    dm.collate = TargetsCollate(dm.collate, NoCache())  # what CachedTeacher.prefetch_in does
+    dm.for_device("cuda")
+    for b in dm.train_dataloader():
+        n = int(b["attention_mask"].sum(1).max())
+        assert b["input_ids"].shape[1] == min(-(-n // 64) * 64, 100) > 0
+        assert b["target_ids"].shape == b["input_ids"].shape

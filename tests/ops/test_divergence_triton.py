@@ -189,6 +189,9 @@ def test_a_gemm_config_is_checked():
         Tuning(row_fixup="argmax")
     with pytest.raises(ValueError, match=r"row_config=\(3000, 8\): give \(BLOCK, num_warps\)"):
         Tuning(row_config=(3000, 8))
+    for bad in ((0, 8), (8, 4), (64, 3), (64, 64)):
+        with pytest.raises(ValueError, match="BLOCK a power of two >= 16, num_warps"):
+            Tuning(row_config=bad)
 
 
 @pytest.mark.parametrize("row_fixup", ["lane", "block"])

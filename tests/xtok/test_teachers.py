@@ -128,12 +128,15 @@ def test_pair_batches_padded_to_the_multiple_within_each_side_cap(toks):
     examples, plain, _ = batch_of(toks, "qwen", "llama3")
     s_n, t_n = plain["input_ids"].shape[1], plain["teacher_input_ids"].shape[1]
     collate = PairCollator(toks["qwen"].pad_token_id, toks["llama3"].pad_token_id, 1,
-                           caps=(s_n + 3, t_n + 70))
+                           caps=(s_n + 3, t_n + 1))
     collate.multiple = 64  # what DistillDataModule.for_device("cuda") sets
     batch = collate(examples)
     # the next multiple of 64, or the student's cap where that is nearer
     assert batch["input_ids"].shape[1] == min(-(-s_n // 64) * 64, s_n + 3) > s_n - 1
-    assert batch["teacher_input_ids"].shape[1] == -(-t_n // 64) * 64  # under its cap
+    assert batch["teacher_input_ids"].shape[1] == min(-(-t_n // 64) * 64, t_n + 1)
+    wide = PairCollator(toks["qwen"].pad_token_id, toks["llama3"].pad_token_id, 64,
+                        caps=(None, t_n + 70))(examples)  # a cap that does not bind
+    assert wide["teacher_input_ids"].shape[1] == -(-t_n // 64) * 64
     assert torch.equal(batch["xtok_spans"], plain["xtok_spans"])
     assert torch.equal(batch["teacher_input_ids"][:, :t_n], plain["teacher_input_ids"])
     assert not batch["teacher_attention_mask"][:, t_n:].any()
