@@ -9,18 +9,7 @@ from torch.utils.data import DataLoader
 
 from distill.callbacks.step_timer import StepTimer
 from tests.fixtures import load_script
-
-
-class _Tiny(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.ones(1))
-
-    def training_step(self, batch, batch_idx):
-        return (self.w * batch["input_ids"].float().mean()) ** 2
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
+from tests.test_loggers import _Tiny  # one weight, a loss from the batch, no updates
 
 
 def test_step_timer_counts_each_optimizer_steps_tokens_and_widest_batch(tmp_path):
