@@ -147,11 +147,6 @@ def prepare_student(student, cfg):
     (student.lora.r). None for a folder or hub name: the run loads it."""
     if isinstance(student, (str, Path)):
         return None
-    from distill.lora import apply_lora, disable_dropout
+    from distill.lora import prepare_for_training
 
-    student.train()
-    if cfg.disable_dropout:
-        disable_dropout(student)
-    if cfg.lora.enabled:
-        apply_lora(student, cfg.lora, base=cfg.name_or_path)
-    return student
+    return prepare_for_training(student, cfg, base=cfg.name_or_path)

@@ -88,13 +88,20 @@ def load_student(cfg: StudentConfig | str, **settings):
         cfg = parse(StudentConfig, {"name_or_path": str(cfg), **settings}, "student.")
     model = load_causal_lm(cfg.name_or_path, dtype=cfg.dtype, from_scratch=cfg.from_scratch,
                            attn_implementation=cfg.attn_implementation, seed=cfg.seed)
-    model.train()  # from_pretrained leaves eval mode: dropout (LoRA's too) would stay off
+    path = resolve_path(cfg.name_or_path)
+    return prepare_for_training(model, cfg, base=str(Path(path).resolve())
+                                if Path(path).exists() else path)
+
+
+def prepare_for_training(model, cfg: StudentConfig, base: str):
+    """What a student gets once built: train mode (from_pretrained leaves eval mode, where
+    dropout, LoRA's too, would stay off), dropout off (`student.disable_dropout`), LoRA
+    adapters (`student.lora.r`, recorded against `base`)."""
+    model.train()
     if cfg.disable_dropout:
         disable_dropout(model)
     if cfg.lora.enabled:
-        path = resolve_path(cfg.name_or_path)
-        apply_lora(model, cfg.lora, base=str(Path(path).resolve()) if Path(path).exists()
-                   else path)
+        apply_lora(model, cfg.lora, base=base)
     return model
 
 
