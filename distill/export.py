@@ -217,10 +217,9 @@ def card_info(cfg, ckpt_path: Path, step, student, lora: bool, merge: bool) -> d
         info["metrics"] = logged_metrics(folder, step)
         info["command"] = _training_command(folder)
     if lora:
-        peft = student.peft_config["default"]
-        info["lora"] = {"r": peft.r, "alpha": peft.lora_alpha, "merged": merge,
-                        "target_modules": sorted(peft.target_modules)
-                        if isinstance(peft.target_modules, set) else peft.target_modules}
+        from distill.lora import card_facts
+
+        info["lora"] = card_facts(student, merge)
     return info
 
 

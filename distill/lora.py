@@ -105,6 +105,14 @@ def prepare_for_training(model, cfg: StudentConfig, base: str):
     return model
 
 
+def card_facts(student, merged: bool) -> dict:
+    """A LoRA student's adapter as the model card states it."""
+    peft = student.peft_config[ADAPTER]
+    targets = peft.target_modules
+    return {"r": peft.r, "alpha": peft.lora_alpha, "merged": merged,
+            "target_modules": sorted(targets) if isinstance(targets, set) else targets}
+
+
 def disable_dropout(model) -> None:
     """Dropout off in every layer (and p = 0 in the config, for the export): the student
     and teacher should see the same function of the same tokens."""

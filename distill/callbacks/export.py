@@ -87,7 +87,7 @@ def upload(folder: Path, repo: str) -> None:
 
 def run_info(trainer, pl_module, merge: bool) -> dict:
     """What the model card says about this run, read from the trained objects."""
-    from distill.lora import ADAPTER, is_lora
+    from distill.lora import ADAPTER, card_facts, is_lora
 
     student, teacher = pl_module.student, getattr(pl_module, "teacher", None)
     info = {"student": getattr(student, "name_or_path", None) or None,
@@ -97,12 +97,8 @@ def run_info(trainer, pl_module, merge: bool) -> dict:
             "metrics": {k: float(v) for k, v in getattr(trainer, "callback_metrics", {}).items()
                         if (torch.is_tensor(v) and v.numel() == 1) or isinstance(v, float)}}
     if is_lora(student):
-        peft = student.peft_config[ADAPTER]
-        targets = peft.target_modules
-        info["student"] = peft.base_model_name_or_path
-        info["lora"] = {"r": peft.r, "alpha": peft.lora_alpha, "merged": merge,
-                        "target_modules": sorted(targets) if isinstance(targets, set)
-                        else targets}
+        info["student"] = student.peft_config[ADAPTER].base_model_name_or_path
+        info["lora"] = card_facts(student, merge)
     cfg = getattr(pl_module, "cfg", None)
     if dataclasses.is_dataclass(cfg):
         info["loss"] = dataclasses.asdict(cfg)
