@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from distill.ops.divergence_torch import rows_loss_and_grad as torch_rows
-from distill.ops.spec import HeadTransform
+from distill.ops.spec import HeadTransform, check_row_fixup
 
 # Bytes the op may hold per chunk: fp32 logits (student + teacher) and, when chunks are
 # folded in groups, the group's gradient buffer; (nearly) all its memory beyond the grads.
@@ -37,7 +37,7 @@ class Tuning:
     docs/notes/kernels.md): chunks folded per d weight GEMM (None: FOLD_GROUP), the Triton
     logits GEMM with the softmax-stats epilogue (live teacher), its tile config
     (BM, BN, BK, num_warps, num_stages, tma_store; None: logits_gemm.CONFIG), how the row
-    kernels find the largest logit they write last (divergence_triton.ROW_FIXUPS), and
+    kernels find the largest logit they write last (spec.ROW_FIXUPS), and
     their (BLOCK, num_warps) (None: divergence_triton.CONFIG)."""
 
     fold_group: int | None = None
@@ -52,8 +52,7 @@ class Tuning:
         if self.gemm_config is not None and len(self.gemm_config) != 6:
             raise ValueError(f"gemm_config={self.gemm_config!r}: give six integers, "
                              "BM, BN, BK, num_warps, num_stages, tma_store")
-        if self.row_fixup not in ("lane", "block"):
-            raise ValueError(f"row_fixup={self.row_fixup!r}: use 'lane' or 'block'")
+        check_row_fixup(self.row_fixup)
         if self.row_config is not None and (
                 len(self.row_config) != 2 or self.row_config[0] < 16
                 or self.row_config[0] & (self.row_config[0] - 1)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from distill.ops.sparse_triton import _sparse_fwd_kernel
-from distill.ops.spec import TAIL_FLOOR, DivergenceSpec
+from distill.ops.spec import TAIL_FLOOR, DivergenceSpec, check_row_fixup
 from distill.ops.triton_math import _lane_ref, _logaddexp, _online, _track_ref
 
 _KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
@@ -40,11 +40,10 @@ _KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
 # 121-127 registers at 4096 ("lane"; "block" 111-128), 2 programs per SM
 # (docs/notes/kernels.md, "Fourth session", has the table).
 CONFIG = {"live": (2048, 8), "sparse": (4096, 8)}
-# How the writing pass finds the largest logit, whose entry it writes last as minus the
-# others' sum: "lane" tests z == the row's max (known from pass 1 or the tile stats) and
-# keeps per-lane sums, reduced once per row; "block" (the first version) takes three block
-# reductions per block (triton_math._track_ref). docs/notes/kernels.md has both costs.
-ROW_FIXUPS = ("lane", "block")
+# spec.ROW_FIXUPS, how the writing pass finds the largest logit: "lane" tests z == the
+# row's max (known from pass 1 or the tile stats) and keeps per-lane sums, reduced once per
+# row; "block" (the first version) takes three block reductions per block
+# (triton_math._track_ref). docs/notes/kernels.md has both costs.
 MAX_K = 16384  # top-k ids held in registers by one program
 
 
@@ -303,12 +302,11 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
     `ce_out` (C,) fp32 receives each row's cross-entropy when given. `stats` (live
     teacher only): the (student, teacher) tile statistics from
     `logits_gemm.logits_and_stats`, which replace the first pass. `grad_out`: a (C, V)
-    tensor to write the gradient into instead of over zs. `row_fixup`: one of ROW_FIXUPS;
+    tensor to write the gradient into instead of over zs. `row_fixup`: one of spec.ROW_FIXUPS;
     `row_config`: (BLOCK, num_warps) instead of CONFIG's.
     """
     c, v = zs.shape
-    if row_fixup not in ROW_FIXUPS:
-        raise ValueError(f"row_fixup={row_fixup!r}: use one of {ROW_FIXUPS}")
+    check_row_fixup(row_fixup)
     if zs.dtype != torch.float32 or zs.stride(1) != 1:
         raise ValueError("the row kernel needs fp32 logits with contiguous rows")
     loss = torch.empty(c, dtype=torch.float32, device=zs.device)

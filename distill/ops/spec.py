@@ -95,3 +95,13 @@ class HeadTransform:
         if self.bias is None or self.bias.shape[0] == vocab:
             return self
         return HeadTransform(self.bias[:vocab], self.scale, self.softcap)
+
+
+# How the Triton row kernels find the largest logit, whose gradient they write last as
+# minus the others' sum (distill.ops.divergence_triton; docs/notes/kernels.md has both)
+ROW_FIXUPS = ("lane", "block")
+
+
+def check_row_fixup(name: str) -> None:
+    if name not in ROW_FIXUPS:
+        raise ValueError(f"row_fixup={name!r}: use " + " or ".join(map(repr, ROW_FIXUPS)))

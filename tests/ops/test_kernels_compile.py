@@ -4,7 +4,7 @@ The interpreter runs the kernels' math but not their lowering: a loop-carried va
 changes type, a scalar store with a mask, a reduction with indices can pass there and fail
 to compile for the GPU. Triton's wheel ships ptxas, so compiling to a cubin needs no
 device. Runs in a subprocess: this suite sets TRITON_INTERPRET=1 for everything else.
-Both row fixups (divergence_triton.ROW_FIXUPS), each at its default live block.
+Both row fixups (distill.ops.spec.ROW_FIXUPS), each at its default live block.
 """
 
 import json
