@@ -226,8 +226,8 @@ def trained_head_key(model, state: dict) -> str | None:
     if not weight.requires_grad:
         return None
     for name, p in model.named_parameters():
-        if p is weight and unwrapped(name) in state:
-            return unwrapped(name)
+        if p is weight and (key := unwrapped(name)) in state:
+            return key
     raise KeyError("the trained LM head is not in the gathered state dict")
 
 
