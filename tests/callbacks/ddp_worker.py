@@ -24,3 +24,4 @@ if __name__ == "__main__":
             results[(policy, k)] = proof.fit_grads(module, batches, k, devices=2)
     if rank == 0:
         torch.save(results, out)
+    proof.leave_process_group()

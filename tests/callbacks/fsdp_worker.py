@@ -123,3 +123,4 @@ if __name__ == "__main__":
         results[name] = resume(assets, folder / name, name)
     if RANK == 0:
         torch.save(results, out)
+    proof.leave_process_group()

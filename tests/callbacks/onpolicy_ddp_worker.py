@@ -17,3 +17,4 @@ if __name__ == "__main__":
     grads = proof.fit_grads(_module(assets), batches, 3, devices=2)
     if rank == 0:
         torch.save(grads, out)
+    proof.leave_process_group()
