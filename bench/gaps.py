@@ -60,7 +60,7 @@ def summarize(trace: dict, min_gap_us: float = 200.0, top: int = 12) -> dict:
     for e in events:
         if e.get("cat") in DEVICE_CATEGORIES:
             kernels[e["name"][:70]] += e["dur"]
-    return {"kernels_ms": {n: round(t / 1e3, 2) for n, t in kernels.most_common(top)},
+    return {"kernels_ms": {n: round(t / 1e3, 2) for n, t in kernels.most_common(5 * top)},
             "span_ms": round((end - start) / 1e3, 2), "busy_ms": round(busy / 1e3, 2),
             "idle_ms": round((end - start - busy) / 1e3, 2),
             "gaps_over_min": len(gaps), "gap_ms_over_min": round(

@@ -24,7 +24,9 @@ class StepSums:
         self.val: torch.Tensor | None = None
         self.counts = None  # the last step's StepCounts
         self.trained_tokens = 0  # valid positions of every step so far, all ranks
-        self.grad_norm: tuple | None = None  # (this step's norm,): computed once, for all
+        # (this step's norm,): computed once, for the callbacks and the clipping; cleared
+        # after the optimizer step (DistillModule.optimizer_step)
+        self.grad_norm: tuple | None = None
 
     def add(self, loss, parts: dict, scored, counts) -> None:
         w = torch.stack([loss.detach(), parts["divergence"], parts["ce"]])
@@ -38,7 +40,6 @@ class StepSums:
 
     def log_step(self, module) -> float | None:
         """Log the step's sums; returns its loss (None before any micro-batch)."""
-        self.grad_norm = None  # the next step's callbacks compute their own
         if self.window is None:
             return None
         loss, div, ce = self.window.tolist()

@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 import lightning as L
+import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
@@ -102,6 +103,7 @@ class DistillModule(L.LightningModule):
         # Lightning zeroes the gradients after the next step's forward: until then they
         # would sit beside its activations (a student-sized fp32 tensor at the peak)
         optimizer.zero_grad(set_to_none=True)
+        self.sums.grad_norm = None  # the next step's callbacks compute their own
 
     def validation_step(self, batch: dict, batch_idx: int):
         valid = batch_masks(batch).valid.flatten().float()
@@ -127,6 +129,17 @@ class DistillModule(L.LightningModule):
         if (isinstance(self.trainer.strategy, FSDPStrategy) and gradient_clip_val
                 and gradient_clip_algorithm in (None, "norm")):
             self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+            return
+        # the norm the guard and the logs took this step (after unscaling, before clipping)
+        # clips as torch's clip_grad_norm_ would, without a second pass over the gradients
+        known = getattr(getattr(self, "sums", None), "grad_norm", None)
+        by_norm = getattr(torch.nn.utils, "clip_grads_with_norm_", None)  # torch >= 2.6
+        if (known and known[0] is not None and by_norm is not None and gradient_clip_val
+                and gradient_clip_algorithm in (None, "norm")):
+            params = [p for g in optimizer.param_groups for p in g["params"]
+                      if p.grad is not None]
+            if params:
+                by_norm(params, gradient_clip_val, known[0])
             return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 

@@ -1,9 +1,13 @@
-"""Gradient clipping by norm: through the FSDP-wrapped model under FSDP, Lightning's elsewhere."""
+"""Gradient clipping by norm: through the FSDP-wrapped model under FSDP, by the step's known
+norm (the guard's and the logs') elsewhere, else through Lightning."""
 
 from types import SimpleNamespace
 
+import pytest
+import torch
 from lightning.pytorch.strategies import FSDPStrategy
 
+from distill.callbacks.logs import grad_norm
 from distill.module import DistillModule
 
 
@@ -31,3 +35,51 @@ def test_fsdp_clips_through_the_wrapped_model_other_strategies_through_lightning
     clip(_module(SimpleNamespace(), calls), "opt", 1.0, "norm")  # DDP, one device...
     assert calls == [("fsdp", 1.0), ("fsdp", 0.5), ("lightning", "opt", None, None),
                      ("lightning", "opt", 1.0, "norm")]
+
+
+def _grads():
+    g = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (7, 300, 1)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 10
+    return params
+
+
+def test_the_steps_known_norm_clips_as_torchs_clip_grad_norm():
+    ours, theirs = _grads(), _grads()
+    opt = torch.optim.SGD(ours, lr=0.1)
+    norm = grad_norm(opt, SimpleNamespace())
+    module = SimpleNamespace(trainer=SimpleNamespace(strategy=SimpleNamespace()),
+                             sums=SimpleNamespace(grad_norm=(norm,)),
+                             clip_gradients=lambda *a: pytest.fail("clipped twice"))
+    DistillModule.configure_gradient_clipping(module, opt, 1.5, "norm")
+    want = torch.nn.utils.clip_grad_norm_(theirs, 1.5)
+    assert float(norm) == pytest.approx(float(want))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
+
+
+def test_the_known_norm_is_the_one_used_and_small_gradients_stay():
+    params = _grads()
+    before = [p.grad.clone() for p in params]
+    opt = torch.optim.SGD(params, lr=0.1)
+    module = SimpleNamespace(trainer=SimpleNamespace(strategy=SimpleNamespace()),
+                             sums=SimpleNamespace(grad_norm=(torch.tensor(4.0),)),
+                             clip_gradients=lambda *a: pytest.fail("clipped twice"))
+    DistillModule.configure_gradient_clipping(module, opt, 1.0, None)
+    for p, b in zip(params, before):  # scaled by 1 / (4 + 1e-6), whatever the true norm is
+        torch.testing.assert_close(p.grad, b / (4.0 + 1e-6), rtol=1e-6, atol=0)
+    module.sums.grad_norm = (torch.tensor(0.5),)  # under the limit: untouched
+    DistillModule.configure_gradient_clipping(module, opt, 1.0, "norm")
+    for p, b in zip(params, before):
+        torch.testing.assert_close(p.grad, b / (4.0 + 1e-6), rtol=1e-6, atol=0)
+
+
+def test_a_norm_not_yet_taken_or_another_algorithm_goes_through_lightning():
+    calls = []
+    for norm, algorithm in (((None,), "norm"), (None, "norm"), ((torch.tensor(2.0),), "value")):
+        module = SimpleNamespace(trainer=SimpleNamespace(strategy=SimpleNamespace()),
+                                 sums=SimpleNamespace(grad_norm=norm),
+                                 clip_gradients=lambda *a: calls.append(a))
+        DistillModule.configure_gradient_clipping(module, "opt", 1.0, algorithm)
+    assert calls == [("opt", 1.0, "norm"), ("opt", 1.0, "norm"), ("opt", 1.0, "value")]

@@ -102,6 +102,19 @@ def test_gradient_norm_sums_the_shards_under_fsdp():
     assert grad_norm(opt, SimpleNamespace()) is None
 
 
+def test_gradient_norm_over_mixed_dtypes_matches_a_float64_sum():
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(257, generator=g) * 1e3, torch.randn(3, 5, generator=g),
+             (torch.randn(64, generator=g) * 40).bfloat16(), torch.full((2,), 1e-20)]
+    params = [torch.nn.Parameter(torch.zeros_like(x)) for x in grads]
+    for p, x in zip(params, grads):
+        p.grad = x
+    opt = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:]}], lr=0.1)
+    want = math.sqrt(sum(float((x.double() ** 2).sum()) for x in grads))
+    got = grad_norm(opt, SimpleNamespace())
+    assert got.dtype == torch.float32 and float(got) == pytest.approx(want, rel=1e-6)
+
+
 def test_a_samples_teacher_logprob_is_the_mean_over_its_completion(tiny_assets):
     """Against the teacher's own forward().logits, log-softmax in float64."""
     from distill.callbacks.logs import teacher_logprob

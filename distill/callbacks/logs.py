@@ -45,8 +45,8 @@ class StepLogs(L.Callback):
 
 def step_grad_norm(trainer, pl_module, optimizer) -> torch.Tensor | None:
     """`grad_norm` of this optimizer step, computed once for every callback that asks (the
-    guard, then the step logs): kept in the module's StepSums, which the module's own
-    on_before_optimizer_step (after the callbacks') clears."""
+    guard, then the step logs, then the clipping): kept in the module's StepSums, which
+    DistillModule.optimizer_step clears after the step."""
     sums = getattr(pl_module, "sums", None)
     if sums is None:
         return grad_norm(optimizer, trainer.strategy)
@@ -57,11 +57,18 @@ def step_grad_norm(trainer, pl_module, optimizer) -> torch.Tensor | None:
 
 def grad_norm(optimizer, strategy) -> torch.Tensor | None:
     """The L2 norm of the gradient of every parameter the optimizer updates, in fp32."""
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    grads = [p.grad.detach() for g in optimizer.param_groups for p in g["params"]
+             if p.grad is not None]
     if not grads:
         return None
-    squares = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) ** 2
-                           for g in grads]).sum()
+    # fp32 gradients in a few foreach launches (torch >= 2.6), others widened one by one
+    foreach = getattr(torch.nn.utils, "get_total_norm", None)
+    wide = [g for g in grads if foreach is not None and g.dtype == torch.float32]
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads
+             if foreach is None or g.dtype != torch.float32]
+    if wide:
+        norms.append(foreach(wide, 2.0))
+    squares = torch.stack([n.to(grads[0].device) for n in norms]).square().sum()
     if isinstance(strategy, FSDPStrategy):  # each rank holds a shard of every gradient
         squares = strategy.reduce(squares, reduce_op="sum")
     return squares.sqrt()  # DDP: the gradients are already the same on every rank
