@@ -47,6 +47,7 @@ class DistillModule(L.LightningModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.sums = StepSums()
         self._teacher_val_ce: float | None = None
+        self._traced_fresh = False  # see on_train_batch_start
 
     @property
     def rewrites_windows(self) -> bool:
@@ -62,6 +63,17 @@ class DistillModule(L.LightningModule):
         warn_if_biased(self.cfg.normalization, k, w)
         rank_zero_info(f"normalization: {self.cfg.normalization} over {k} micro-batch(es) x "
                        f"{w} rank(s) per optimizer step")
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self._traced_fresh:
+            return
+        self._traced_fresh = True
+        # (after the callbacks' hook) the checks before the first step ran the models at
+        # other shapes: HeadCheck one row of 16 tokens, the sanity validation its batches.
+        # Code that torch.compile traced there (transformers' flex_attention, compiled
+        # layers) would be traced again with dynamic shapes at the first real batch, slower
+        # kernels for the whole run (flex_attention's took 1.5x); trace it afresh instead
+        torch.compiler.reset()
 
     def _step_counts(self, info, masks):
         if info is not None and info.step_counts is not None:

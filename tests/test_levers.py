@@ -224,3 +224,58 @@ def test_bench_levers_tiny_times_each_combination_in_its_own_process(tmp_path):
     if not torch.cuda.is_available():
         assert got["liger"] == {"skipped": "Liger's kernels need a CUDA GPU"}
     assert json.loads((tmp_path / "levers.json").read_text()).keys() == got.keys()
+
+
+TRACES = []  # (phase, per tensor input the symbolic dims) of each graph dynamo traced
+PHASE = ["checks"]
+
+
+def _recording_backend(gm, example_inputs):
+    dims = []
+    for node in gm.graph.nodes:
+        v = node.meta.get("example_value") if node.op == "placeholder" else None
+        if isinstance(v, torch.Tensor):
+            dims.append(tuple(i for i, d in enumerate(v.shape) if isinstance(d, torch.SymInt)))
+    TRACES.append((PHASE[0], tuple(dims)))
+    return gm.forward
+
+
+class _MarkTraining(__import__("lightning").Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        PHASE[0] = "training"  # after HeadCheck's hook (an earlier callback)
+
+
+def _traces(compose_cfg, out, monkeypatch, *overrides):
+    import distill.assemble
+    from distill.train import train
+
+    build = distill.assemble.build_callbacks
+    monkeypatch.setattr(distill.assemble, "build_callbacks",
+                        lambda *a, **kw: [*build(*a, **kw), _MarkTraining()])
+    torch.compiler.reset()
+    TRACES.clear()
+    PHASE[0] = "checks"
+    train(compose_cfg("+experiment=sft_fkl", "trainer.max_steps=2", "speed.compile=true",
+                      "speed.compile_backend=distill_test_recorder",
+                      "trainer.num_sanity_val_steps=0", "callbacks.export=null", *overrides,
+                      out=out))
+    return ([t for phase, t in TRACES if phase == "checks"],
+            [t for phase, t in TRACES if phase == "training"])
+
+
+def test_the_first_real_batch_traces_compiled_layers_as_if_nothing_ran_before(
+        compose_cfg, tmp_path, monkeypatch):
+    """HeadCheck runs both models on one row of 16 tokens before the first step. Compiled
+    code traced there would be traced again with the batch and length dynamic at the first
+    batch (slower kernels all run long: flex_attention's took 1.5x on the H200). The run
+    traces the same graphs as one without the check."""
+    from torch._dynamo import list_backends, register_backend
+
+    if "distill_test_recorder" not in list_backends(exclude_tags=()):
+        register_backend(_recording_backend, name="distill_test_recorder")
+    checks, training = _traces(compose_cfg, tmp_path / "a", monkeypatch)
+    no_checks, alone = _traces(compose_cfg, tmp_path / "b", monkeypatch,
+                               "callbacks.head_check=null")
+    assert checks and not no_checks and alone
+    assert training == alone
+    assert not any(0 in dims for graph in training for dims in graph)  # the batch stays static
