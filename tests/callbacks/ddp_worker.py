@@ -10,6 +10,7 @@ import sys
 import torch
 
 from distill.normalization import POLICIES
+from distill.strategies import leave_process_group
 from tests.callbacks import proof
 
 if __name__ == "__main__":
@@ -24,4 +25,4 @@ if __name__ == "__main__":
             results[(policy, k)] = proof.fit_grads(module, batches, k, devices=2)
     if rank == 0:
         torch.save(results, out)
-    proof.leave_process_group()
+    leave_process_group()

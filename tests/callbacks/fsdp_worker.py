@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from distill.callbacks import StepTokenCounter
 from distill.data import StepWindows
 from distill.module import DistillModule
-from distill.strategies import DistillFSDP
+from distill.strategies import DistillFSDP, leave_process_group
 from tests.callbacks import proof
 
 RANK = int(os.environ.get("RANK", 0))
@@ -123,4 +123,4 @@ if __name__ == "__main__":
         results[name] = resume(assets, folder / name, name)
     if RANK == 0:
         torch.save(results, out)
-    proof.leave_process_group()
+    leave_process_group()

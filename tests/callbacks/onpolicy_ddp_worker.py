@@ -6,6 +6,7 @@ import sys
 
 import torch
 
+from distill.strategies import leave_process_group
 from tests.callbacks import proof
 from tests.callbacks.test_onpolicy_steps import _module
 
@@ -17,4 +18,4 @@ if __name__ == "__main__":
     grads = proof.fit_grads(_module(assets), batches, 3, devices=2)
     if rank == 0:
         torch.save(grads, out)
-    proof.leave_process_group()
+    leave_process_group()

@@ -30,15 +30,6 @@ PAD = 0
 EMPTY = 5  # the micro-batch with no valid token on every rank
 
 
-def leave_process_group() -> None:
-    """The end of a torchrun worker: every rank waits for the others, then the gloo group is
-    shut down in order. Left to the interpreter's exit, its threads were once torn down
-    running (`terminate called without an active exception`, SIGABRT on one rank)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-
-
 def micro_batches(rank: int, vocab: int) -> list[dict]:
     """Rank `rank`'s micro-batches. The sixth (EMPTY) has no valid token on every rank:
     with K = 1 its step trains nothing, with K = 3 and 4 it sits inside a window; the last
