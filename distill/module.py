@@ -47,7 +47,7 @@ class DistillModule(L.LightningModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.sums = StepSums()
         self._teacher_val_ce: float | None = None
-        self._traced_fresh = False  # see on_train_batch_start
+        self._traced_fresh = False  # see _drop_earlier_traces
 
     @property
     def rewrites_windows(self) -> bool:
@@ -63,17 +63,6 @@ class DistillModule(L.LightningModule):
         warn_if_biased(self.cfg.normalization, k, w)
         rank_zero_info(f"normalization: {self.cfg.normalization} over {k} micro-batch(es) x "
                        f"{w} rank(s) per optimizer step")
-
-    def on_train_batch_start(self, batch, batch_idx):
-        if self._traced_fresh:
-            return
-        self._traced_fresh = True
-        # (after the callbacks' hook) the checks before the first step ran the models at
-        # other shapes: HeadCheck one row of 16 tokens, the sanity validation its batches.
-        # Code that torch.compile traced there (transformers' flex_attention, compiled
-        # layers) would be traced again with dynamic shapes at the first real batch, slower
-        # kernels for the whole run (flex_attention's took 1.5x); trace it afresh instead
-        torch.compiler.reset()
 
     def _step_counts(self, info, masks):
         if info is not None and info.step_counts is not None:
@@ -100,12 +89,25 @@ class DistillModule(L.LightningModule):
             info.step_counts = reduce_counts(self.trainer, info, count_window(info.rolled))
         if info is not None and info.rolled is not None:
             batch = move_data_to_device(info.rolled[info.index], self.device)
+        if not self._traced_fresh:
+            self._drop_earlier_traces()
         masks = batch_masks(batch)
         step = self._step_counts(info, masks)
         weights = token_weights(self.cfg.normalization, masks, step).flatten()
         loss, parts, scored = self.objective.train(self.student, batch, weights)
         self.sums.add(loss, parts, scored, step)
         return loss * (step.accumulate * step.world_size)
+
+    def _drop_earlier_traces(self) -> None:
+        """Once, right before the first training forward. The models ran at other shapes
+        before it: HeadCheck on one row of 16 tokens, the sanity validation on its batches,
+        the first rollout's generate on its prompts and decode steps. Code torch.compile
+        traced there (transformers' flex_attention, layers compiled by speed.compile) would
+        be traced again with dynamic shapes now, slower kernels for the whole run
+        (flex_attention's took 1.5x on the H200); it is traced afresh at this batch's."""
+        self._traced_fresh = True
+        if not torch.compiler.is_compiling():  # a compiled training_step traces this call
+            torch.compiler.reset()
 
     def on_before_optimizer_step(self, optimizer):
         self.sums.log_step(self)

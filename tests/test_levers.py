@@ -240,27 +240,37 @@ def _recording_backend(gm, example_inputs):
     return gm.forward
 
 
-class _MarkTraining(__import__("lightning").Callback):
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        PHASE[0] = "training"  # after HeadCheck's hook (an earlier callback)
+def _traces(compose_cfg, out, monkeypatch, *overrides, experiment="sft_fkl"):
+    """The graphs traced before the first training forward ("checks": the head check, a
+    rollout) and in the training forwards, of a 2-step run with compiled layers."""
+    from torch._dynamo import list_backends, register_backend
 
-
-def _traces(compose_cfg, out, monkeypatch, *overrides):
-    import distill.assemble
+    from distill.objective import Objective
     from distill.train import train
 
-    build = distill.assemble.build_callbacks
-    monkeypatch.setattr(distill.assemble, "build_callbacks",
-                        lambda *a, **kw: [*build(*a, **kw), _MarkTraining()])
+    if "distill_test_recorder" not in list_backends(exclude_tags=()):
+        register_backend(_recording_backend, name="distill_test_recorder")
+    forward, forwards = Objective.train, [0]
+
+    def marked(self, *a, **kw):
+        forwards[0] += 1
+        PHASE[0] = f"training {forwards[0]}"
+        try:
+            return forward(self, *a, **kw)
+        finally:
+            PHASE[0] = "between"
+
+    monkeypatch.setattr(Objective, "train", marked)
     torch.compiler.reset()
     TRACES.clear()
     PHASE[0] = "checks"
-    train(compose_cfg("+experiment=sft_fkl", "trainer.max_steps=2", "speed.compile=true",
+    train(compose_cfg(f"+experiment={experiment}", "trainer.max_steps=2", "speed.compile=true",
                       "speed.compile_backend=distill_test_recorder",
                       "trainer.num_sanity_val_steps=0", "callbacks.export=null", *overrides,
                       out=out))
     return ([t for phase, t in TRACES if phase == "checks"],
-            [t for phase, t in TRACES if phase == "training"])
+            [t for phase, t in TRACES if phase.startswith("training")],
+            [t for phase, t in TRACES if phase == "training 1"])
 
 
 def test_the_first_real_batch_traces_compiled_layers_as_if_nothing_ran_before(
@@ -269,13 +279,21 @@ def test_the_first_real_batch_traces_compiled_layers_as_if_nothing_ran_before(
     code traced there would be traced again with the batch and length dynamic at the first
     batch (slower kernels all run long: flex_attention's took 1.5x on the H200). The run
     traces the same graphs as one without the check."""
-    from torch._dynamo import list_backends, register_backend
-
-    if "distill_test_recorder" not in list_backends(exclude_tags=()):
-        register_backend(_recording_backend, name="distill_test_recorder")
-    checks, training = _traces(compose_cfg, tmp_path / "a", monkeypatch)
-    no_checks, alone = _traces(compose_cfg, tmp_path / "b", monkeypatch,
-                               "callbacks.head_check=null")
+    checks, training, _ = _traces(compose_cfg, tmp_path / "a", monkeypatch)
+    no_checks, alone, _ = _traces(compose_cfg, tmp_path / "b", monkeypatch,
+                                  "callbacks.head_check=null")
     assert checks and not no_checks and alone
     assert training == alone
     assert not any(0 in dims for graph in training for dims in graph)  # the batch stays static
+
+
+def test_the_first_training_forward_after_a_rollout_keeps_batch_and_length_static(
+        compose_cfg, tmp_path, monkeypatch):
+    """On-policy: the first rollout's generate traces the compiled layers at its prompt and
+    decode shapes before the first training forward; that forward is still traced at its
+    own shape: batch and length static (the hidden size, which the student and the teacher
+    do not share, is dynamic in the second model's trace whatever ran before)."""
+    checks, _, first = _traces(compose_cfg, tmp_path / "op", monkeypatch,
+                               "loss.on_policy.max_new_tokens=4", experiment="onpolicy_rkl")
+    assert checks and first
+    assert not any({0, 1} & set(dims) for graph in first for dims in graph), first
