@@ -133,6 +133,28 @@ def child_env(**extra: str) -> dict:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
+def torchrun_train(assets: dict, out: Path, *overrides: str):
+    """`python -m distill.train +experiment=sft_fkl trainer=ddp` on two CPU ranks (gloo,
+    torchrun) with the tiny assets; the finished process (skips without gloo)."""
+    import subprocess
+    import sys
+
+    import pytest
+    import torch
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "distill.train", "+experiment=sft_fkl", "trainer=ddp",
+           "trainer.accelerator=cpu", f"paths.output_dir={out}",
+           f"student.name_or_path={assets['student']}",
+           f"teacher.name_or_path={assets['teacher']}",
+           f"paths.data={assets['sft_train'].parent}", "evaluate=null", "data.batch_size=4",
+           "trainer.val_check_interval=1000", "callbacks.progress.refresh_rate=0", *overrides]
+    return subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=child_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
 def load_script(relative: str):
     """A script of the checkout (scripts/x.py, bench/x.py) imported as a module, by path."""
     import importlib.util

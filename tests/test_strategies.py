@@ -175,26 +175,10 @@ def test_leaving_the_process_group_waits_then_shuts_it_down(tmp_path):
 def test_a_ddp_run_through_the_cli_ends_with_exit_0_on_both_ranks(tiny_assets, tmp_path):
     """torchrun, two CPU ranks (gloo), the real CLI to its end: both ranks leave the process
     group in order and exit 0, and rank 0 exports the student."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.fixtures import torchrun_train
 
-    from tests.fixtures import child_env
-
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("needs torch.distributed with gloo")
-    out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "distill.train", "+experiment=sft_fkl", "trainer=ddp",
-           "trainer.accelerator=cpu", f"paths.output_dir={out}",
-           f"student.name_or_path={tiny_assets['student']}",
-           f"teacher.name_or_path={tiny_assets['teacher']}",
-           f"paths.data={tiny_assets['sft_train'].parent}", "evaluate=null",
-           "data.batch_size=4", "trainer.max_steps=2", "trainer.val_check_interval=1000",
-           "callbacks.progress.refresh_rate=0"]
-    run = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=child_env(),
-                         capture_output=True, text=True, timeout=600)
+    run = torchrun_train(tiny_assets, tmp_path / "ddp", "trainer.max_steps=2")
     text = run.stdout + run.stderr
     assert run.returncode == 0, text[-4000:]
     assert "terminate called" not in text and "exitcode" not in text
-    assert (out / "student" / "config.json").exists()
+    assert (tmp_path / "ddp" / "student" / "config.json").exists()

@@ -6,32 +6,17 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.faults import windows_state
-from tests.fixtures import child_env
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures import torchrun_train
 
 
 def _ddp_run(tiny_assets, out: Path, *extra: str):
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("needs torch.distributed with gloo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "distill.train", "+experiment=sft_fkl", "trainer=ddp",
-           "trainer.accelerator=cpu", f"paths.output_dir={out}",
-           f"student.name_or_path={tiny_assets['student']}",
-           f"teacher.name_or_path={tiny_assets['teacher']}",
-           f"paths.data={tiny_assets['sft_train'].parent}", "evaluate=null",
-           "data.batch_size=4", "trainer.accumulate_grad_batches=2", "trainer.max_steps=50",
-           "trainer.val_check_interval=1000", "callbacks.progress.refresh_rate=0", *extra]
-    env = child_env()
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return torchrun_train(tiny_assets, out, "trainer.accumulate_grad_batches=2",
+                          "trainer.max_steps=50", *extra)
 
 
 def test_sigterm_on_rank_0_stops_every_rank_at_the_same_step(tiny_assets, tmp_path):
