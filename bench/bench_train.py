@@ -371,10 +371,13 @@ def main(argv=None) -> list[dict]:
         print(targets(run.rows), flush=True)
         sys.exit(1)
 
-    signal.signal(signal.SIGTERM, report)
-    for pair in args.pairs:
-        bench_pair(run, pair, levers=pair in args.levers_on)
-        free(run)
+    before = signal.signal(signal.SIGTERM, report)
+    try:
+        for pair in args.pairs:
+            bench_pair(run, pair, levers=pair in args.levers_on)
+            free(run)
+    finally:  # main() called in-process (the tests) gives the handler back
+        signal.signal(signal.SIGTERM, before)
     print(table(run.rows))
     print(targets(run.rows))
     return run.rows

@@ -24,7 +24,6 @@ from distill.data import DistillDataModule
 from distill.data.sources import open_sources
 from distill.models import check_head_rows, check_model_folder, load_causal_lm, load_tokenizer
 from distill.paths import RunLock, is_launch_rank, register_resolvers
-from distill.strategies import leave_process_group
 
 register_resolvers()
 
@@ -105,7 +104,6 @@ def _cross_tokenizer_cache(run) -> dict:
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     cache_teacher_logits(cfg)
-    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -99,15 +99,21 @@ class DistillModule(L.LightningModule):
         return loss * (step.accumulate * step.world_size)
 
     def _drop_earlier_traces(self) -> None:
-        """Once, right before the first training forward. The models ran at other shapes
-        before it: HeadCheck on one row of 16 tokens, the sanity validation on its batches,
-        the first rollout's generate on its prompts and decode steps. Code torch.compile
-        traced there (transformers' flex_attention, layers compiled by speed.compile) would
-        be traced again with dynamic shapes now, slower kernels for the whole run
-        (flex_attention's took 1.5x on the H200); it is traced afresh at this batch's."""
+        """Right before the first training forward, and the first after each validation.
+        The models ran at other shapes before it: HeadCheck on one row of 16 tokens, the
+        validation on its batches (the teacher under the same guards as in training), the
+        first rollout's generate on its prompts and decode steps. Code torch.compile traced
+        there (transformers' flex_attention, layers compiled by speed.compile) would make
+        the training graphs dynamic in batch and length: slower kernels for the rest of the
+        run (flex_attention's 1.5-1.8x on the H200). It is traced afresh at this batch's
+        shapes instead; inductor's on-disk caches keep that retrace short."""
         self._traced_fresh = True
         if not torch.compiler.is_compiling():  # a compiled training_step traces this call
             torch.compiler.reset()
+
+    def on_validation_end(self):
+        if not self.trainer.sanity_checking:  # the first training forward resets anyway
+            self._traced_fresh = False
 
     def on_before_optimizer_step(self, optimizer):
         self.sums.log_step(self)
@@ -146,10 +152,15 @@ class DistillModule(L.LightningModule):
             return
         # the norm the guard and the logs took this step (after unscaling, before clipping)
         # clips as torch's clip_grad_norm_ would, without a second pass over the gradients
+        # (a callback that edits gradients in place after StepLogs would need Lightning's
+        # path). Not under a GradScaler: an optimizer that unscales in its own step has
+        # scaled gradients here, which Lightning's clip_gradients refuses to clip
         known = getattr(getattr(self, "sums", None), "grad_norm", None)
         by_norm = getattr(torch.nn.utils, "clip_grads_with_norm_", None)  # torch >= 2.6
+        plugin = getattr(self.trainer, "precision_plugin", None)
+        scaled = getattr(plugin, "scaler", None) is not None
         if (known and known[0] is not None and by_norm is not None and gradient_clip_val
-                and gradient_clip_algorithm in (None, "norm")):
+                and gradient_clip_algorithm in (None, "norm") and not scaled):
             params = [p for g in optimizer.param_groups for p in g["params"]
                       if p.grad is not None]
             if params:

@@ -35,17 +35,6 @@ from distill.levers import decoder_layers
 SHARDED_METADATA = "meta.pt"
 
 
-def leave_process_group() -> None:
-    """The end of a launched run (torchrun, SLURM): every rank waits for the others, then the
-    process group is shut down in order. Left to the interpreter's exit, its threads can be
-    torn down while running (`terminate called without an active exception`: SIGABRT on one
-    rank, whose exit code then hides the run's own)."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def _state_dict_type(module, full: bool):
     """torch's FSDP state-dict context: full (gathered on rank 0, on CPU) or sharded."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

@@ -35,7 +35,6 @@ from distill.module import DistillModule
 from distill.paths import RunLock, is_launch_rank, register_resolvers
 from distill.report import print_summary
 from distill.resume import resolve_ckpt_path
-from distill.strategies import leave_process_group
 from distill.teachers import build_teacher
 from distill.tokenizers import run_tokenizer
 
@@ -117,9 +116,7 @@ def main(cfg: DictConfig) -> None:
         train(cfg)
     except RunInterrupted as stop:  # a non-zero exit: `train && eval` must not carry on
         print(f"\n{stop}", file=sys.stderr, flush=True)
-        leave_process_group()  # every rank stops at the same step (the flag is summed)
         sys.exit(stop.exit_code)
-    leave_process_group()
 
 
 if __name__ == "__main__":

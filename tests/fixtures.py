@@ -133,6 +133,17 @@ def child_env(**extra: str) -> dict:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
+def leave_process_group() -> None:
+    """The end of a torchrun test worker: every rank waits for the others, then the gloo
+    group is shut down in order. Left to the interpreter's exit, its threads were once torn
+    down running (`terminate called without an active exception`, SIGABRT on one rank)."""
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def torchrun_train(assets: dict, out: Path, *overrides: str):
     """`python -m distill.train +experiment=sft_fkl trainer=ddp` on two CPU ranks (gloo,
     torchrun) with the tiny assets; the finished process (skips without gloo)."""

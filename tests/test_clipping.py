@@ -83,3 +83,29 @@ def test_a_norm_not_yet_taken_or_another_algorithm_goes_through_lightning():
                                  clip_gradients=lambda *a: calls.append(a))
         DistillModule.configure_gradient_clipping(module, "opt", 1.0, algorithm)
     assert calls == [("opt", 1.0, "norm"), ("opt", 1.0, "norm"), ("opt", 1.0, "value")]
+
+
+def _fit_weights(compose_cfg, out, monkeypatch, *overrides):
+    """A 3-step run clipping hard (every step's norm is far above 1e-3): the student's
+    weights, and how often torch's clip_grad_norm_ (Lightning's clipping) ran."""
+    from safetensors.torch import load_file
+
+    from distill.train import train
+
+    calls, clip = [], torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda *a, **kw: calls.append(1) or clip(*a, **kw))
+    train(compose_cfg("+experiment=sft_fkl", "trainer.max_steps=3",
+                      "trainer.gradient_clip_val=0.001", *overrides, out=out))
+    return load_file(out / "student" / "model.safetensors"), len(calls)
+
+
+def test_a_run_clips_by_the_steps_known_norm_exactly_as_lightning_would(
+        compose_cfg, tmp_path, monkeypatch):
+    known, lightning_calls = _fit_weights(compose_cfg, tmp_path / "known", monkeypatch)
+    theirs, calls = _fit_weights(compose_cfg, tmp_path / "lightning", monkeypatch,
+                                 "callbacks.step_logs=null", "callbacks.guard=null")
+    assert lightning_calls == 0 and calls == 3  # no second pass; else one a step
+    assert known.keys() == theirs.keys()
+    for name in known:
+        torch.testing.assert_close(known[name], theirs[name], rtol=1e-6, atol=1e-9, msg=name)

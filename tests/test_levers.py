@@ -227,6 +227,7 @@ def test_bench_levers_tiny_times_each_combination_in_its_own_process(tmp_path):
 
 
 TRACES = []  # (phase, per tensor input the symbolic dims) of each graph dynamo traced
+CALLS = []  # (phase, the called graph's symbolic dims) of each call of a traced graph
 PHASE = ["checks"]
 
 
@@ -237,7 +238,11 @@ def _recording_backend(gm, example_inputs):
         if isinstance(v, torch.Tensor):
             dims.append(tuple(i for i, d in enumerate(v.shape) if isinstance(d, torch.SymInt)))
     TRACES.append((PHASE[0], tuple(dims)))
-    return gm.forward
+
+    def call(*args):
+        CALLS.append((PHASE[0], tuple(dims)))
+        return gm.forward(*args)
+    return call
 
 
 def _traces(compose_cfg, out, monkeypatch, *overrides, experiment="sft_fkl"):
@@ -263,8 +268,9 @@ def _traces(compose_cfg, out, monkeypatch, *overrides, experiment="sft_fkl"):
     monkeypatch.setattr(Objective, "train", marked)
     torch.compiler.reset()
     TRACES.clear()
+    CALLS.clear()
     PHASE[0] = "checks"
-    train(compose_cfg(f"+experiment={experiment}", "trainer.max_steps=2", "speed.compile=true",
+    train(compose_cfg(f"+experiment={experiment}", "speed.compile=true", "trainer.max_steps=2",
                       "speed.compile_backend=distill_test_recorder",
                       "trainer.num_sanity_val_steps=0", "callbacks.export=null", *overrides,
                       out=out))
@@ -297,3 +303,18 @@ def test_the_first_training_forward_after_a_rollout_keeps_batch_and_length_stati
                                "loss.on_policy.max_new_tokens=4", experiment="onpolicy_rkl")
     assert checks and first
     assert not any({0, 1} & set(dims) for graph in first for dims in graph), first
+
+
+def test_training_after_a_validation_still_runs_the_static_graphs(compose_cfg, tmp_path,
+                                                                  monkeypatch):
+    """The validation runs the teacher under the same guards as its training forward, on
+    batches of other sizes (the last one smaller): the graphs it traces would catch every
+    later training call. After each validation the next training forward traces afresh, so
+    every training call, before and after, runs a graph static in batch and length."""
+    _traces(compose_cfg, tmp_path / "v", monkeypatch, "trainer.max_steps=5",
+            "trainer.val_check_interval=2", "+data.pad_to_multiple_of=128",
+            "data.batch_size=5")
+    validated = [phase for phase, _ in CALLS if phase == "between"]
+    training = [(phase, dims) for phase, dims in CALLS if phase.startswith("training")]
+    assert validated and {p for p, _ in training} == {f"training {i}" for i in range(1, 6)}
+    assert not [c for c in training if any({0, 1} & set(d) for d in c[1])], training

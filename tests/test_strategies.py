@@ -159,22 +159,9 @@ def test_optimizer_state_survives_a_sharded_checkpoint_round_trip(kind, tmp_path
     assert len(fresh.state) == len(saved["state"])
 
 
-def test_leaving_the_process_group_waits_then_shuts_it_down(tmp_path):
-    import torch.distributed as dist
-
-    from distill.strategies import leave_process_group
-
-    leave_process_group()  # no group (a one-process run): nothing to do
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
-                            world_size=1)
-    assert dist.is_initialized()
-    leave_process_group()
-    assert not dist.is_initialized()
-
-
 def test_a_ddp_run_through_the_cli_ends_with_exit_0_on_both_ranks(tiny_assets, tmp_path):
-    """torchrun, two CPU ranks (gloo), the real CLI to its end: both ranks leave the process
-    group in order and exit 0, and rank 0 exports the student."""
+    """torchrun, two CPU ranks (gloo), the real CLI to its end (export included): exit 0 on
+    both ranks, no abort at shutdown, the student exported once."""
     from tests.fixtures import torchrun_train
 
     run = torchrun_train(tiny_assets, tmp_path / "ddp", "trainer.max_steps=2")

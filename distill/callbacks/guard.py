@@ -87,7 +87,7 @@ class DivergenceGuard(L.Callback):
         self.bad_in_a_row, self.skipped = 0, 0
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        # before the module's own hook, which logs (and clears) the step's sums
+        # before the module's own hook, which logs (and clears) the step's loss sums
         window = getattr(getattr(pl_module, "sums", None), "window", None)
         loss = window[0].detach().float() if window is not None else None
         # a GradScaler (16-mixed) finds inf gradients on purpose and skips those steps itself

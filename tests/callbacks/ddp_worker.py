@@ -10,8 +10,8 @@ import sys
 import torch
 
 from distill.normalization import POLICIES
-from distill.strategies import leave_process_group
 from tests.callbacks import proof
+from tests.fixtures import leave_process_group
 
 if __name__ == "__main__":
     assets, out = sys.argv[1], sys.argv[2]

@@ -28,8 +28,9 @@ from torch.utils.data import DataLoader
 from distill.callbacks import StepTokenCounter
 from distill.data import StepWindows
 from distill.module import DistillModule
-from distill.strategies import DistillFSDP, leave_process_group
+from distill.strategies import DistillFSDP
 from tests.callbacks import proof
+from tests.fixtures import leave_process_group
 
 RANK = int(os.environ.get("RANK", 0))
 OPTIMIZERS = {"sgd": (torch.optim.SGD, 0.05), "adamw": (torch.optim.AdamW, 1e-3)}

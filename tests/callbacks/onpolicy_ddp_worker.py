@@ -6,9 +6,9 @@ import sys
 
 import torch
 
-from distill.strategies import leave_process_group
 from tests.callbacks import proof
 from tests.callbacks.test_onpolicy_steps import _module
+from tests.fixtures import leave_process_group
 
 if __name__ == "__main__":
     assets, out = sys.argv[1], sys.argv[2]
