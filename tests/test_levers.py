@@ -283,7 +283,7 @@ def test_the_first_real_batch_traces_compiled_layers_as_if_nothing_ran_before(
         compose_cfg, tmp_path, monkeypatch):
     """HeadCheck runs both models on one row of 16 tokens before the first step. Compiled
     code traced there would be traced again with the batch and length dynamic at the first
-    batch (slower kernels all run long: flex_attention's took 1.5x on the H200). The run
+    batch (slower kernels all run long: flex_attention's took 1.5-1.8x on the H200). The run
     traces the same graphs as one without the check."""
     checks, training, _ = _traces(compose_cfg, tmp_path / "a", monkeypatch)
     no_checks, alone, _ = _traces(compose_cfg, tmp_path / "b", monkeypatch,
