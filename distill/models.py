@@ -138,9 +138,16 @@ def max_positions(name_or_path: str) -> int | None:
     """The positions a model was built for (its config's max_position_embeddings or the
     family's name for it); None when unknown or the config cannot be read here."""
     try:
-        cfg = AutoConfig.from_pretrained(resolve_path(name_or_path)).get_text_config()
+        cfg = AutoConfig.from_pretrained(resolve_path(name_or_path))
     except (OSError, ValueError):
         return None  # a hub name offline: loading it will say so
+    return config_positions(cfg)
+
+
+def config_positions(config) -> int | None:
+    """The positions a model config names (max_position_embeddings or the family's name
+    for it, in its text config); None when it names none."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         if isinstance(getattr(cfg, key, None), int):
             return getattr(cfg, key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from distill.data.collate import width_multiple
 from distill.data.windows import WindowInfo
+from distill.models import config_positions
 from distill.onpolicy.config import OnPolicyConfig
 from distill.onpolicy.rollout import RolloutStats, rollout, window_seed
 from distill.onpolicy.samplers import HFSampler, SamplingSettings, stop_tokens
@@ -34,6 +35,9 @@ class OnPolicyStep:
                              "dataset's tokens. Use a live teacher (teacher.kind=live) or "
                              "set loss.on_policy.fraction=0")
         self.cfg, self.teacher, self.pad_to_multiple_of = cfg, teacher_model, pad_to_multiple_of
+        # the widest a rewritten row is padded to (the student's positions)
+        config = getattr(student, "config", None)
+        self.positions = config_positions(config) if config is not None else None
         self.eos = stop_tokens(student, eos_token_id)
         pad = student.config.pad_token_id
         self.pad = pad if pad is not None else self.eos[0]
@@ -73,8 +77,7 @@ class OnPolicyStep:
             rolled, stats = rollout(info.batches, self.cfg, seed, self.pad, self.eos,
                                     *samplers,
                                     multiple=width_multiple(self.pad_to_multiple_of, device),
-                                    cap=getattr(getattr(student, "config", None),
-                                                "max_position_embeddings", None))
+                                    cap=self.positions)
         info.rolled = rolled
         return stats
 
