@@ -61,14 +61,12 @@ def grad_norm(optimizer, strategy) -> torch.Tensor | None:
              if p.grad is not None]
     if not grads:
         return None
-    # fp32 gradients in a few foreach launches (torch >= 2.6), others widened one by one
-    foreach = getattr(torch.nn.utils, "get_total_norm", None)
-    wide = [g for g in grads if foreach is not None and g.dtype == torch.float32]
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads
-             if foreach is None or g.dtype != torch.float32]
-    if wide:
-        norms.append(foreach(wide, 2.0))
-    squares = torch.stack([n.to(grads[0].device) for n in norms]).square().sum()
+    total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    if total_norm is not None and all(g.dtype == torch.float32 for g in grads):
+        squares = total_norm(grads, 2.0).square()  # a few foreach launches
+    else:  # each gradient widened to fp32 on its own
+        squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
+                               for g in grads]).square().sum()
     if isinstance(strategy, FSDPStrategy):  # each rank holds a shard of every gradient
         squares = strategy.reduce(squares, reduce_op="sum")
     return squares.sqrt()  # DDP: the gradients are already the same on every rank
