@@ -318,3 +318,32 @@ def test_training_after_a_validation_still_runs_the_static_graphs(compose_cfg, t
     training = [(phase, dims) for phase, dims in CALLS if phase.startswith("training")]
     assert validated and {p for p, _ in training} == {f"training {i}" for i in range(1, 6)}
     assert not [c for c in training if any({0, 1} & set(d) for d in c[1])], training
+
+
+@pytest.mark.slow  # >10 s on a 2-core CPU (make test runs it)
+def test_later_rollouts_leave_every_training_forward_on_the_static_graphs(
+        compose_cfg, tmp_path, monkeypatch):
+    """From the second step on, each rollout's generate (the student's, and the teacher's for
+    its share of the rows) runs the compiled layers at its prompt and decode shapes after
+    the training graphs exist, without a fresh trace after it. Those calls trace graphs of
+    their own, and no training call runs them: every step's training forwards keep graphs
+    static in batch and length (the width is fixed here, so nothing else makes them
+    dynamic)."""
+    from distill.onpolicy.samplers import HFSampler
+
+    sample, writers = HFSampler.__call__, []
+
+    def recorded(self, model, prompts, *, seed):
+        writers.append((PHASE[0], model.config.hidden_size))
+        return sample(self, model, prompts, seed=seed)
+
+    monkeypatch.setattr(HFSampler, "__call__", recorded)
+    _traces(compose_cfg, tmp_path / "op", monkeypatch, "trainer.max_steps=3",
+            "loss.on_policy.max_new_tokens=4", "loss.on_policy.teacher_fraction=0.5",
+            "+data.pad_to_multiple_of=128", experiment="onpolicy_rkl")
+    later = {size for phase, size in writers if phase == "between"}
+    assert len(later) == 2, writers  # the student and the teacher sampled after step 1
+    rolled = [dims for phase, dims in TRACES if phase == "between"]
+    training = [(phase, dims) for phase, dims in CALLS if phase.startswith("training")]
+    assert rolled and {p for p, _ in training} == {f"training {i}" for i in range(1, 4)}
+    assert not [c for c in training if any({0, 1} & set(d) for d in c[1])], training
