@@ -14,7 +14,8 @@ other's memory is gone:
   DistillDataModule and collate), the same levers, DistillModule's objective + backward +
   clipping + AdamW for each batch, timed the same way.
 Prints one markdown table (tokens/s, ms per step, peak allocated, run/step ratio, the
-compile/recompile counts of the run's log) and writes bench_run.json under --out.
+compile/recompile counts of the run's log), then the runs' cached / packed and packed /
+unpacked tokens/s where both ran, and writes bench_run.json under --out.
 """
 
 from __future__ import annotations
@@ -310,6 +311,11 @@ def print_table(results: dict) -> None:
             extra = f" (rollout {r['time/rollout_s']:.2f} s = {100 * share:.0f}% of the step)"
         print(f"| {name} | {cell(s) if s else '-'} | {cell(r)}{extra} | {ratio} | {peaks} | "
               f"{r.get('recompiles', '-')} |")
+    rate = {name: row["run"]["tokens_per_s"] for name, row in results.items()
+            if "tokens_per_s" in row.get("run", {})}
+    for a, b, target in (("cached", "packed", 2.6), ("packed", "unpacked", 1.0)):
+        if a in rate and b in rate:  # the issue's targets for the runs of one call
+            print(f"{a} / {b} run tokens/s: {rate[a] / rate[b]:.2f}x (target >= {target}x)")
 
 
 if __name__ == "__main__":

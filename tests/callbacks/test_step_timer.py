@@ -46,6 +46,20 @@ def test_same_batches_ratio_needs_the_same_tokens_and_widths():
     assert bench_run.same_batches(run, {**step, "tokens": [5, 5, 6, 10]}, 1, set()) is None
 
 
+def test_the_table_ends_with_the_runs_ratios_of_one_call(capsys):
+    bench_run = load_script("bench/bench_run.py")
+
+    def run(rate):
+        return {"run": {"tokens_per_s": rate, "median_ms": 1.0}, "step": {}}
+    bench_run.print_table({"packed": run(20000.0), "cached": run(53000.0),
+                           "unpacked": run(8000.0)})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2:] == ["cached / packed run tokens/s: 2.65x (target >= 2.6x)",
+                          "packed / unpacked run tokens/s: 2.50x (target >= 1.0x)"]
+    bench_run.print_table({"packed": run(20000.0), "cached": {"run": {"rc": 1}, "step": {}}})
+    assert "cached / packed" not in capsys.readouterr().out  # a failed run has no rate
+
+
 def test_gap_summary_finds_the_device_idle_time_and_what_the_host_did():
     gaps = load_script("bench/gaps.py")
     trace = {"traceEvents": [
