@@ -179,16 +179,25 @@ def cross_checks(run: RunConfig) -> list[str]:
                    "and RoPE that Liger would replace; choose one (docs/benchmarks.md "
                    "measures both)")
     clip = trainer.get("gradient_clip_val")
-    # Lightning's AMP plugins ("16" and "bf16" are its names for the mixed ones); FSDP clips
-    # through the wrapped module (DistillModule.configure_gradient_clipping), never through it
-    amp = str(trainer.get("precision", "")) in ("16-mixed", "bf16-mixed", "16", "bf16")
+    # Lightning's AMP plugins ("16" and "bf16" are its names for the mixed ones) refuse to
+    # clip for a fused optimizer. By norm, DistillModule.configure_gradient_clipping clips
+    # without them unless a GradScaler (16-mixed) scales the gradients; FSDP clips through
+    # the wrapped module
+    precision = str(trainer.get("precision", ""))
+    scaler = precision in ("16-mixed", "16")
+    by_value = trainer.get("gradient_clip_algorithm") == "value"
+    amp = scaler or precision in ("bf16-mixed", "bf16")
     fsdp = "fsdp" in str(trainer.get("strategy", "")).lower()
-    if run.optimizer.get("fused") is True and clip and float(clip) > 0 and amp and not fsdp:
+    if (run.optimizer.get("fused") is True and clip and float(clip) > 0 and not fsdp
+            and (scaler or (amp and by_value))):
+        why = ("its GradScaler scales the gradients that a fused optimizer unscales in its "
+               "own step" if scaler else "Lightning clips by value through its AMP plugin, "
+               "which refuses a fused optimizer")
         out.append(f"optimizer.fused=true with trainer.gradient_clip_val={clip} under "
-                   f"trainer.precision={trainer.get('precision')}: Lightning clips no "
-                   "gradients of an optimizer that unscales them in its own step (a fused "
-                   "one) and stops at the first step; set optimizer.fused=null (torch's "
-                   "foreach AdamW) or trainer.gradient_clip_val=null")
+                   f"trainer.precision={precision}: {why}, so the run would stop at its first "
+                   "step; set optimizer.fused=null (torch's foreach AdamW)"
+                   + (" or trainer.gradient_clip_algorithm=norm" if not scaler else "")
+                   + " or trainer.gradient_clip_val=null")
     out += _device_checks(trainer)
     out += _nothing_learns(run.loss)
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
 
 from distill.onpolicy.rollout import RolloutStats
 
@@ -83,3 +84,32 @@ class StepSums:
         totals = strategy.reduce(self.val, reduce_op="sum").tolist()
         self.val = None
         return totals
+
+
+def step_grad_norm(trainer, pl_module, optimizer) -> torch.Tensor | None:
+    """`grad_norm` of this optimizer step, computed once for every callback that asks (the
+    guard, then the step logs, then the clipping): kept in the module's StepSums, which
+    DistillModule.optimizer_step clears after the step."""
+    sums = getattr(pl_module, "sums", None)
+    if sums is None:
+        return grad_norm(optimizer, trainer.strategy)
+    if sums.grad_norm is None:
+        sums.grad_norm = (grad_norm(optimizer, trainer.strategy),)
+    return sums.grad_norm[0]
+
+
+def grad_norm(optimizer, strategy) -> torch.Tensor | None:
+    """The L2 norm of the gradient of every parameter the optimizer updates, in fp32."""
+    grads = [p.grad.detach() for g in optimizer.param_groups for p in g["params"]
+             if p.grad is not None]
+    if not grads:
+        return None
+    total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    if total_norm is not None and all(g.dtype == torch.float32 for g in grads):
+        squares = total_norm(grads, 2.0).square()  # a few foreach launches
+    else:  # each gradient widened to fp32 on its own
+        squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
+                               for g in grads]).square().sum()
+    if isinstance(strategy, FSDPStrategy):  # each rank holds a shard of every gradient
+        squares = strategy.reduce(squares, reduce_op="sum")
+    return squares.sqrt()  # DDP: the gradients are already the same on every rank

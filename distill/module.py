@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from distill.data.windows import count_window, reduce_counts, window_of
-from distill.metrics import StepSums
+from distill.metrics import StepSums, step_grad_norm
 from distill.normalization import batch_masks, local_step_counts, token_weights, warn_if_biased
 from distill.objective import LossConfig, Objective
 from distill.onpolicy.step import OnPolicyStep
@@ -150,21 +150,22 @@ class DistillModule(L.LightningModule):
                 and gradient_clip_algorithm in (None, "norm")):
             self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
             return
-        # the norm the guard and the logs took this step (after unscaling, before clipping)
-        # clips as torch's clip_grad_norm_ would, without a second pass over the gradients
-        # (a callback that edits gradients in place after StepLogs would need Lightning's
-        # path). Not under a GradScaler: an optimizer that unscales in its own step has
-        # scaled gradients here, which Lightning's clip_gradients refuses to clip
-        known = getattr(getattr(self, "sums", None), "grad_norm", None)
+        # by the step's norm (the guard's and the logs', else taken here; after unscaling,
+        # before clipping), as torch's clip_grad_norm_ would and without a second pass over
+        # the gradients (a callback that edits gradients in place after StepLogs would need
+        # Lightning's path). A fused optimizer clips here too: Lightning's AMP plugin
+        # refuses it for fear of a GradScaler, and bf16-mixed has none. Not under a
+        # GradScaler: an optimizer that unscales in its own step has scaled gradients here
         by_norm = getattr(torch.nn.utils, "clip_grads_with_norm_", None)  # torch >= 2.6
         plugin = getattr(self.trainer, "precision_plugin", None)
         scaled = getattr(plugin, "scaler", None) is not None
-        if (known and known[0] is not None and by_norm is not None and gradient_clip_val
-                and gradient_clip_algorithm in (None, "norm") and not scaled):
+        if (by_norm is not None and gradient_clip_val and not scaled
+                and gradient_clip_algorithm in (None, "norm")):
+            norm = step_grad_norm(self.trainer, self, optimizer)
             params = [p for g in optimizer.param_groups for p in g["params"]
                       if p.grad is not None]
-            if params:
-                by_norm(params, gradient_clip_val, known[0])
+            if params and norm is not None:
+                by_norm(params, gradient_clip_val, norm)
             return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
 
-from distill.callbacks.logs import grad_norm
+from distill.metrics import grad_norm
 from distill.module import DistillModule
 
 
@@ -25,16 +25,14 @@ def _module(strategy, calls):
                            clip_gradients=lambda *a: calls.append(("lightning", *a)))
 
 
-def test_fsdp_clips_through_the_wrapped_model_other_strategies_through_lightning():
+def test_fsdp_clips_through_the_wrapped_model():
     calls = []
     wrapped = SimpleNamespace(clip_grad_norm_=lambda v: calls.append(("fsdp", v)))
     clip = DistillModule.configure_gradient_clipping
     clip(_module(_FakeFSDP(wrapped), calls), "opt", 1.0, "norm")
     clip(_module(_FakeFSDP(wrapped), calls), "opt", 0.5, None)
     clip(_module(_FakeFSDP(wrapped), calls), "opt", None, None)  # clipping off
-    clip(_module(SimpleNamespace(), calls), "opt", 1.0, "norm")  # DDP, one device...
-    assert calls == [("fsdp", 1.0), ("fsdp", 0.5), ("lightning", "opt", None, None),
-                     ("lightning", "opt", 1.0, "norm")]
+    assert calls == [("fsdp", 1.0), ("fsdp", 0.5), ("lightning", "opt", None, None)]
 
 
 def _grads():
@@ -75,14 +73,29 @@ def test_the_known_norm_is_the_one_used_and_small_gradients_stay():
         torch.testing.assert_close(p.grad, b / (4.0 + 1e-6), rtol=1e-6, atol=0)
 
 
-def test_a_norm_not_yet_taken_or_another_algorithm_goes_through_lightning():
+def test_a_norm_not_yet_taken_is_taken_once_and_kept_for_the_step():
+    params, theirs = _grads(), _grads()
+    opt = torch.optim.SGD(params, lr=0.1)
+    module = SimpleNamespace(trainer=SimpleNamespace(strategy=SimpleNamespace()),
+                             sums=SimpleNamespace(grad_norm=None),
+                             clip_gradients=lambda *a: pytest.fail("clipped twice"))
+    DistillModule.configure_gradient_clipping(module, opt, 1.5, "norm")
+    want = torch.nn.utils.clip_grad_norm_(theirs, 1.5)
+    assert float(module.sums.grad_norm[0]) == pytest.approx(float(want))  # for the step's logs
+    for a, b in zip(params, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
+
+
+def test_value_clipping_or_a_grad_scaler_goes_through_lightning():
     calls = []
-    for norm, algorithm in (((None,), "norm"), (None, "norm"), ((torch.tensor(2.0),), "value")):
-        module = SimpleNamespace(trainer=SimpleNamespace(strategy=SimpleNamespace()),
-                                 sums=SimpleNamespace(grad_norm=norm),
+    scaler = SimpleNamespace(precision_plugin=SimpleNamespace(scaler=object()))
+    for trainer, algorithm in ((SimpleNamespace(), "value"), (scaler, "norm"),
+                               (scaler, None)):
+        trainer.strategy = SimpleNamespace()
+        module = SimpleNamespace(trainer=trainer, sums=SimpleNamespace(grad_norm=(2.0,)),
                                  clip_gradients=lambda *a: calls.append(a))
         DistillModule.configure_gradient_clipping(module, "opt", 1.0, algorithm)
-    assert calls == [("opt", 1.0, "norm"), ("opt", 1.0, "norm"), ("opt", 1.0, "value")]
+    assert calls == [("opt", 1.0, "value"), ("opt", 1.0, "norm"), ("opt", 1.0, None)]
 
 
 def _fit_weights(compose_cfg, out, monkeypatch, *overrides):
@@ -102,10 +115,29 @@ def _fit_weights(compose_cfg, out, monkeypatch, *overrides):
 
 def test_a_run_clips_by_the_steps_known_norm_exactly_as_lightning_would(
         compose_cfg, tmp_path, monkeypatch):
-    known, lightning_calls = _fit_weights(compose_cfg, tmp_path / "known", monkeypatch)
-    theirs, calls = _fit_weights(compose_cfg, tmp_path / "lightning", monkeypatch,
-                                 "callbacks.step_logs=null", "callbacks.guard=null")
-    assert lightning_calls == 0 and calls == 3  # no second pass; else one a step
-    assert known.keys() == theirs.keys()
+    known, known_calls = _fit_weights(compose_cfg, tmp_path / "known", monkeypatch)
+    # no callback took the norm: the clipping takes it itself
+    alone, alone_calls = _fit_weights(compose_cfg, tmp_path / "alone", monkeypatch,
+                                      "callbacks.step_logs=null", "callbacks.guard=null")
+    with monkeypatch.context() as m:  # torch < 2.6: Lightning's clipping
+        m.delattr(torch.nn.utils, "clip_grads_with_norm_")
+        theirs, calls = _fit_weights(compose_cfg, tmp_path / "lightning", m)
+    assert known_calls == alone_calls == 0 and calls == 3  # no second pass; else one a step
+    assert known.keys() == theirs.keys() == alone.keys()
     for name in known:
         torch.testing.assert_close(known[name], theirs[name], rtol=1e-6, atol=1e-9, msg=name)
+        torch.testing.assert_close(alone[name], theirs[name], rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_a_fused_adamw_clips_under_bf16_mixed(compose_cfg, tmp_path, monkeypatch):
+    """Lightning's AMP plugin would stop this run at its first step (it refuses to clip for a
+    fused optimizer); with no GradScaler to fear, the clipping by norm runs without it, and
+    the weights are those of torch's foreach AdamW clipped alike."""
+    bf16 = ("trainer.precision=bf16-mixed",)
+    fused, calls = _fit_weights(compose_cfg, tmp_path / "fused", monkeypatch, *bf16,
+                                "+optimizer.fused=true", "callbacks.step_logs=null",
+                                "callbacks.guard=null")  # and no callback took the norm
+    foreach, _ = _fit_weights(compose_cfg, tmp_path / "foreach", monkeypatch, *bf16)
+    assert calls == 0
+    for name in fused:
+        torch.testing.assert_close(fused[name], foreach[name], rtol=1e-5, atol=1e-7, msg=name)

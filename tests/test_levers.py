@@ -187,25 +187,31 @@ def test_bench_train_tiny_runs_every_row_on_cpu(tmp_path):
     assert (tmp_path / "bench_train.json").exists()
 
 
-def test_fused_optimizer_with_clipping_under_mixed_precision_is_refused(compose_cfg):
+def test_fused_optimizer_with_clipping_is_refused_where_lightning_would_stop(compose_cfg):
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     from distill.config import ConfigError, validate
 
-    # what the run would meet at its first step: Lightning's own refusal
+    # Lightning's AMP plugin refuses to clip for a fused optimizer, GradScaler or not;
+    # distill clips by norm without it (tests/test_clipping.py) where no GradScaler scales
     fused = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True)
     with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
         MixedPrecision("bf16-mixed", "cpu").clip_gradients(fused, 1.0)
-    args = ("+experiment=hf_sft", "paths.data=.", "+optimizer.fused=true",
-            "trainer.precision=bf16-mixed")
-    with pytest.raises(ConfigError, match=r"optimizer.fused=true with trainer.gradient_clip_va"
-                       r"l=1.0 under trainer.precision=bf16-mixed: .*set optimizer.fused=null"):
-        validate(compose_cfg(*args))
-    validate(compose_cfg(*args, "trainer.gradient_clip_val=null"))  # no clipping: fine
-    validate(compose_cfg(*args[:-1], "trainer.precision=32-true"))  # no AMP plugin: fine
-    for alias in ("16", "bf16"):  # Lightning's other names of its AMP plugins
-        with pytest.raises(ConfigError, match="optimizer.fused=true with"):
-            validate(compose_cfg(*args[:-1], f"trainer.precision={alias}"))
+    args = ("+experiment=hf_sft", "paths.data=.", "+optimizer.fused=true")
+    for precision in ("16-mixed", "16"):  # the GradScaler's (Lightning's two names)
+        with pytest.raises(ConfigError, match=rf"optimizer.fused=true with trainer.gradient_"
+                           rf"clip_val=1.0 under trainer.precision={precision}: its "
+                           r"GradScaler .*set optimizer.fused=null"):
+            validate(compose_cfg(*args, f"trainer.precision={precision}"))
+    for precision in ("bf16-mixed", "bf16"):
+        validate(compose_cfg(*args, f"trainer.precision={precision}"))  # by norm: fine
+        with pytest.raises(ConfigError, match=r"Lightning clips by value through its AMP "
+                           r"plugin.* or trainer.gradient_clip_algorithm=norm"):
+            validate(compose_cfg(*args, f"trainer.precision={precision}",
+                                 "+trainer.gradient_clip_algorithm=value"))
+    validate(compose_cfg(*args, "trainer.precision=16-mixed", "trainer.gradient_clip_val=null"))
+    validate(compose_cfg(*args, "trainer.precision=32-true",  # no AMP plugin: fine
+                         "+trainer.gradient_clip_algorithm=value"))
 
 
 @pytest.mark.slow  # ~20 s on a 2-core CPU (make test runs it)

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import torch
 
-from distill.callbacks.logs import grad_norm
+from distill.metrics import grad_norm
 from distill.sweep import write_summary
 from distill.train import train
 

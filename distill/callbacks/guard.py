@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
-from distill.callbacks.logs import step_grad_norm  # the one the logs show
+from distill.metrics import step_grad_norm  # the one the logs show
 from distill.rules import boolean, integer
 
 

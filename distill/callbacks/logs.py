@@ -23,8 +23,8 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
-from lightning.pytorch.strategies import FSDPStrategy
 
+from distill.metrics import step_grad_norm
 from distill.rules import integer, text
 
 log = logging.getLogger(__name__)
@@ -41,35 +41,6 @@ class StepLogs(L.Callback):
         norm = step_grad_norm(trainer, pl_module, optimizer)
         if norm is not None:
             pl_module.log("train/grad_norm", norm, **opts)
-
-
-def step_grad_norm(trainer, pl_module, optimizer) -> torch.Tensor | None:
-    """`grad_norm` of this optimizer step, computed once for every callback that asks (the
-    guard, then the step logs, then the clipping): kept in the module's StepSums, which
-    DistillModule.optimizer_step clears after the step."""
-    sums = getattr(pl_module, "sums", None)
-    if sums is None:
-        return grad_norm(optimizer, trainer.strategy)
-    if sums.grad_norm is None:
-        sums.grad_norm = (grad_norm(optimizer, trainer.strategy),)
-    return sums.grad_norm[0]
-
-
-def grad_norm(optimizer, strategy) -> torch.Tensor | None:
-    """The L2 norm of the gradient of every parameter the optimizer updates, in fp32."""
-    grads = [p.grad.detach() for g in optimizer.param_groups for p in g["params"]
-             if p.grad is not None]
-    if not grads:
-        return None
-    total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
-    if total_norm is not None and all(g.dtype == torch.float32 for g in grads):
-        squares = total_norm(grads, 2.0).square()  # a few foreach launches
-    else:  # each gradient widened to fp32 on its own
-        squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
-                               for g in grads]).square().sum()
-    if isinstance(strategy, FSDPStrategy):  # each rank holds a shard of every gradient
-        squares = strategy.reduce(squares, reduce_op="sum")
-    return squares.sqrt()  # DDP: the gradients are already the same on every rank
 
 
 class RolloutSamples(L.Callback):
