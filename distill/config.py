@@ -179,23 +179,27 @@ def cross_checks(run: RunConfig) -> list[str]:
                    "and RoPE that Liger would replace; choose one (docs/benchmarks.md "
                    "measures both)")
     clip = trainer.get("gradient_clip_val")
-    # Lightning's AMP plugins ("16" and "bf16" are its names for the mixed ones) refuse to
-    # clip for a fused optimizer. By norm, DistillModule.configure_gradient_clipping clips
-    # without them unless a GradScaler (16-mixed) scales the gradients; FSDP clips through
-    # the wrapped module
+    # A fused optimizer unscales the gradients in its own step, after the clipping: under a
+    # GradScaler (16-mixed; on CPU Lightning runs that as bf16-mixed, with none) clipping would
+    # see scaled gradients. Lightning's AMP plugin stops such a run at its first step, FSDP's
+    # would clip them wrongly. Lightning's AMP plugin refuses value clipping for a fused
+    # optimizer even without a scaler; by norm DistillModule.configure_gradient_clipping
+    # clips without it, and FSDP clips through the wrapped module
     precision = str(trainer.get("precision", ""))
-    scaler = precision in ("16-mixed", "16")
+    scaler = precision in ("16-mixed", "16") and trainer.get("accelerator") != "cpu"
+    amp = precision in ("16-mixed", "16", "bf16-mixed", "bf16")
     by_value = trainer.get("gradient_clip_algorithm") == "value"
-    amp = scaler or precision in ("bf16-mixed", "bf16")
     fsdp = "fsdp" in str(trainer.get("strategy", "")).lower()
-    if (run.optimizer.get("fused") is True and clip and float(clip) > 0 and not fsdp
-            and (scaler or (amp and by_value))):
-        why = ("its GradScaler scales the gradients that a fused optimizer unscales in its "
-               "own step" if scaler else "Lightning clips by value through its AMP plugin, "
-               "which refuses a fused optimizer")
+    if (run.optimizer.get("fused") is True and clip and float(clip) > 0
+            and (scaler or (amp and by_value and not fsdp))):
+        why = ("its GradScaler scales the gradients, which a fused optimizer unscales only in "
+               "its own step, after the clipping (Lightning stops the run at its first step; "
+               "under FSDP they would be clipped while scaled)" if scaler else
+               "Lightning clips by value through its AMP plugin, which refuses a fused "
+               "optimizer at the first step")
         out.append(f"optimizer.fused=true with trainer.gradient_clip_val={clip} under "
-                   f"trainer.precision={precision}: {why}, so the run would stop at its first "
-                   "step; set optimizer.fused=null (torch's foreach AdamW)"
+                   f"trainer.precision={precision}: {why}; set optimizer.fused=null (torch's "
+                   "foreach AdamW)"
                    + (" or trainer.gradient_clip_algorithm=norm" if not scaler else "")
                    + " or trainer.gradient_clip_val=null")
     out += _device_checks(trainer)

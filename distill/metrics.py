@@ -99,17 +99,31 @@ def step_grad_norm(trainer, pl_module, optimizer) -> torch.Tensor | None:
 
 
 def grad_norm(optimizer, strategy) -> torch.Tensor | None:
-    """The L2 norm of the gradient of every parameter the optimizer updates, in fp32."""
+    """The L2 norm of the gradient of every parameter the optimizer updates, in fp32 (fp64
+    when a gradient is fp64: trainer.precision=64-true)."""
     grads = [p.grad.detach() for g in optimizer.param_groups for p in g["params"]
              if p.grad is not None]
     if not grads:
         return None
+    wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
-    if total_norm is not None and all(g.dtype == torch.float32 for g in grads):
+    if total_norm is not None and all(g.dtype == wide for g in grads):
         squares = total_norm(grads, 2.0).square()  # a few foreach launches
-    else:  # each gradient widened to fp32 on its own
-        squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
+    else:  # each gradient widened on its own (16-bit ones: fp16 overflows above 65504)
+        squares = torch.stack([torch.linalg.vector_norm(g, dtype=wide)
                                for g in grads]).square().sum()
     if isinstance(strategy, FSDPStrategy):  # each rank holds a shard of every gradient
         squares = strategy.reduce(squares, reduce_op="sum")
     return squares.sqrt()  # DDP: the gradients are already the same on every rank
+
+
+def clip_by_norm(params: list, max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients of `params` as torch's clip_grad_norm_ does once it has `norm`
+    (by max_norm / (norm + 1e-6), never up)."""
+    by_norm = getattr(torch.nn.utils, "clip_grads_with_norm_", None)  # torch >= 2.6
+    if by_norm is not None:
+        by_norm(params, max_norm, norm)
+        return
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.device))

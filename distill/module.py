@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from distill.data.windows import count_window, reduce_counts, window_of
-from distill.metrics import StepSums, step_grad_norm
+from distill.metrics import StepSums, clip_by_norm, step_grad_norm
 from distill.normalization import batch_masks, local_step_counts, token_weights, warn_if_biased
 from distill.objective import LossConfig, Objective
 from distill.onpolicy.step import OnPolicyStep
@@ -153,19 +153,19 @@ class DistillModule(L.LightningModule):
         # by the step's norm (the guard's and the logs', else taken here; after unscaling,
         # before clipping), as torch's clip_grad_norm_ would and without a second pass over
         # the gradients (a callback that edits gradients in place after StepLogs would need
-        # Lightning's path). A fused optimizer clips here too: Lightning's AMP plugin
-        # refuses it for fear of a GradScaler, and bf16-mixed has none. Not under a
-        # GradScaler: an optimizer that unscales in its own step has scaled gradients here
-        by_norm = getattr(torch.nn.utils, "clip_grads_with_norm_", None)  # torch >= 2.6
+        # Lightning's path). The norm is taken in fp32: for fp32 gradients the same as
+        # torch's, for 16-bit ones (bf16-true) more exact. A fused optimizer clips here too:
+        # Lightning's AMP plugin refuses it for fear of a GradScaler, and bf16-mixed has
+        # none. Not under a GradScaler: an optimizer that unscales in its own step has
+        # scaled gradients here
         plugin = getattr(self.trainer, "precision_plugin", None)
         scaled = getattr(plugin, "scaler", None) is not None
-        if (by_norm is not None and gradient_clip_val and not scaled
-                and gradient_clip_algorithm in (None, "norm")):
+        if gradient_clip_val and not scaled and gradient_clip_algorithm in (None, "norm"):
             norm = step_grad_norm(self.trainer, self, optimizer)
             params = [p for g in optimizer.param_groups for p in g["params"]
                       if p.grad is not None]
             if params and norm is not None:
-                by_norm(params, gradient_clip_val, norm)
+                clip_by_norm(params, gradient_clip_val, norm)
             return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 

@@ -73,15 +73,21 @@ def test_the_known_norm_is_the_one_used_and_small_gradients_stay():
         torch.testing.assert_close(p.grad, b / (4.0 + 1e-6), rtol=1e-6, atol=0)
 
 
-def test_a_norm_not_yet_taken_is_taken_once_and_kept_for_the_step():
+def test_a_norm_not_yet_taken_is_taken_once_and_kept_for_the_step(monkeypatch):
+    import distill.metrics
+
     params, theirs = _grads(), _grads()
     opt = torch.optim.SGD(params, lr=0.1)
     module = SimpleNamespace(trainer=SimpleNamespace(strategy=SimpleNamespace()),
                              sums=SimpleNamespace(grad_norm=None),
                              clip_gradients=lambda *a: pytest.fail("clipped twice"))
+    taken, take = [], distill.metrics.grad_norm
+    monkeypatch.setattr(distill.metrics, "grad_norm", lambda *a: taken.append(1) or take(*a))
     DistillModule.configure_gradient_clipping(module, opt, 1.5, "norm")
     want = torch.nn.utils.clip_grad_norm_(theirs, 1.5)
     assert float(module.sums.grad_norm[0]) == pytest.approx(float(want))  # for the step's logs
+    assert distill.metrics.step_grad_norm(module.trainer, module, opt) is module.sums.grad_norm[0]
+    assert taken == [1]
     for a, b in zip(params, theirs):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
 
@@ -98,46 +104,68 @@ def test_value_clipping_or_a_grad_scaler_goes_through_lightning():
     assert calls == [("opt", 1.0, "value"), ("opt", 1.0, "norm"), ("opt", 1.0, None)]
 
 
-def _fit_weights(compose_cfg, out, monkeypatch, *overrides):
+def _fit_weights(compose_cfg, out, monkeypatch, *overrides, lightning=False):
     """A 3-step run clipping hard (every step's norm is far above 1e-3): the student's
-    weights, and how often torch's clip_grad_norm_ (Lightning's clipping) ran."""
+    weights, and how often torch's clip_grad_norm_ (Lightning's clipping) ran. `lightning`:
+    the module's clipping hook is Lightning's own (the reference)."""
+    import lightning as L
     from safetensors.torch import load_file
 
     from distill.train import train
 
     calls, clip = [], torch.nn.utils.clip_grad_norm_
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
-                        lambda *a, **kw: calls.append(1) or clip(*a, **kw))
-    train(compose_cfg("+experiment=sft_fkl", "trainer.max_steps=3",
-                      "trainer.gradient_clip_val=0.001", *overrides, out=out))
+    with monkeypatch.context() as m:
+        m.setattr(torch.nn.utils, "clip_grad_norm_",
+                  lambda *a, **kw: calls.append(1) or clip(*a, **kw))
+        if lightning:
+            m.setattr(DistillModule, "configure_gradient_clipping",
+                      L.LightningModule.configure_gradient_clipping)
+        train(compose_cfg("+experiment=sft_fkl", "trainer.max_steps=3",
+                          "trainer.gradient_clip_val=0.001", *overrides, out=out))
     return load_file(out / "student" / "model.safetensors"), len(calls)
+
+
+def _assert_same(ours: dict, theirs: dict, rtol: float, atol: float) -> None:
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=rtol, atol=atol, msg=name)
 
 
 def test_a_run_clips_by_the_steps_known_norm_exactly_as_lightning_would(
         compose_cfg, tmp_path, monkeypatch):
+    theirs, calls = _fit_weights(compose_cfg, tmp_path / "lightning", monkeypatch,
+                                 lightning=True)
     known, known_calls = _fit_weights(compose_cfg, tmp_path / "known", monkeypatch)
     # no callback took the norm: the clipping takes it itself
     alone, alone_calls = _fit_weights(compose_cfg, tmp_path / "alone", monkeypatch,
                                       "callbacks.step_logs=null", "callbacks.guard=null")
-    with monkeypatch.context() as m:  # torch < 2.6: Lightning's clipping
+    with monkeypatch.context() as m:  # torch < 2.6: no clip_grads_with_norm_
         m.delattr(torch.nn.utils, "clip_grads_with_norm_")
-        theirs, calls = _fit_weights(compose_cfg, tmp_path / "lightning", m)
-    assert known_calls == alone_calls == 0 and calls == 3  # no second pass; else one a step
-    assert known.keys() == theirs.keys() == alone.keys()
-    for name in known:
-        torch.testing.assert_close(known[name], theirs[name], rtol=1e-6, atol=1e-9, msg=name)
-        torch.testing.assert_close(alone[name], theirs[name], rtol=1e-6, atol=1e-9, msg=name)
+        old, old_calls = _fit_weights(compose_cfg, tmp_path / "old", m)
+    assert calls == 3 and known_calls == alone_calls == old_calls == 0  # no second pass
+    for ours in (known, alone, old):
+        _assert_same(ours, theirs, rtol=1e-6, atol=1e-9)
+
+
+def test_a_fp64_run_clips_as_lightning_would(compose_cfg, tmp_path, monkeypatch):
+    """trainer.precision=64-true: the norm is taken in fp64 (torch refuses to narrow fp64
+    gradients into an fp32 norm)."""
+    fp64 = ("trainer.precision=64-true",)
+    ours, _ = _fit_weights(compose_cfg, tmp_path / "ours", monkeypatch, *fp64)
+    theirs, _ = _fit_weights(compose_cfg, tmp_path / "lightning", monkeypatch, *fp64,
+                             lightning=True)
+    _assert_same(ours, theirs, rtol=1e-12, atol=1e-15)
 
 
 def test_a_fused_adamw_clips_under_bf16_mixed(compose_cfg, tmp_path, monkeypatch):
     """Lightning's AMP plugin would stop this run at its first step (it refuses to clip for a
     fused optimizer); with no GradScaler to fear, the clipping by norm runs without it, and
-    the weights are those of torch's foreach AdamW clipped alike."""
+    the weights are those of torch's foreach AdamW clipped by Lightning."""
     bf16 = ("trainer.precision=bf16-mixed",)
     fused, calls = _fit_weights(compose_cfg, tmp_path / "fused", monkeypatch, *bf16,
                                 "+optimizer.fused=true", "callbacks.step_logs=null",
                                 "callbacks.guard=null")  # and no callback took the norm
-    foreach, _ = _fit_weights(compose_cfg, tmp_path / "foreach", monkeypatch, *bf16)
-    assert calls == 0
-    for name in fused:
-        torch.testing.assert_close(fused[name], foreach[name], rtol=1e-5, atol=1e-7, msg=name)
+    foreach, lightning_calls = _fit_weights(compose_cfg, tmp_path / "foreach", monkeypatch,
+                                            *bf16, lightning=True)
+    assert calls == 0 and lightning_calls == 3
+    _assert_same(fused, foreach, rtol=1e-5, atol=1e-7)

@@ -209,6 +209,14 @@ def test_fused_optimizer_with_clipping_is_refused_where_lightning_would_stop(com
                            r"plugin.* or trainer.gradient_clip_algorithm=norm"):
             validate(compose_cfg(*args, f"trainer.precision={precision}",
                                  "+trainer.gradient_clip_algorithm=value"))
+    # FSDP's plugin would clip the scaled gradients instead of stopping: refused as well
+    with pytest.raises(ConfigError, match=r"under FSDP they would be clipped while scaled"):
+        validate(compose_cfg(*args, "trainer=fsdp", "trainer.accelerator=auto",
+                             "trainer.precision=16-mixed"))
+    validate(compose_cfg(*args, "trainer=fsdp", "trainer.accelerator=auto",
+                         "trainer.precision=bf16-mixed",
+                         "+trainer.gradient_clip_algorithm=value"))  # FSDP's plugin clips
+    validate(compose_cfg(*args, "trainer=cpu", "trainer.precision=16-mixed"))  # bf16 on CPU
     validate(compose_cfg(*args, "trainer.precision=16-mixed", "trainer.gradient_clip_val=null"))
     validate(compose_cfg(*args, "trainer.precision=32-true",  # no AMP plugin: fine
                          "+trainer.gradient_clip_algorithm=value"))
@@ -332,9 +340,8 @@ def test_later_rollouts_leave_every_training_forward_on_the_static_graphs(
     """From the second step on, each rollout's generate (the student's, and the teacher's for
     its share of the rows) runs the compiled layers at its prompt and decode shapes after
     the training graphs exist, without a fresh trace after it. Those calls trace graphs of
-    their own, and no training call runs them: every step's training forwards keep graphs
-    static in batch and length (the width is fixed here, so nothing else makes them
-    dynamic)."""
+    their own, and every step's training forwards still run graphs static in batch and
+    length (the width is fixed here, so nothing else makes them dynamic)."""
     from distill.onpolicy.samplers import HFSampler
 
     sample, writers = HFSampler.__call__, []
