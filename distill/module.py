@@ -78,6 +78,9 @@ class DistillModule(L.LightningModule):
         return local_step_counts(masks)
 
     def training_step(self, batch: dict, batch_idx: int):
+        # gradients to come: the norm taken for the last ones is stale (an optimizer such as
+        # LBFGS runs the step's closure, this call included, several times)
+        self.sums.grad_norm = None
         info = window_of(batch)
         if info is None and self.onpolicy is not None:
             raise RuntimeError("on-policy distillation samples each step's window before it "

@@ -169,3 +169,26 @@ def test_a_fused_adamw_clips_under_bf16_mixed(compose_cfg, tmp_path, monkeypatch
                                             *bf16, lightning=True)
     assert calls == 0 and lightning_calls == 3
     _assert_same(fused, foreach, rtol=1e-5, atol=1e-7)
+
+
+def test_each_closure_run_takes_the_norm_of_its_own_gradients(compose_cfg, tmp_path,
+                                                               monkeypatch):
+    """LBFGS runs the step's closure (forward, backward, Lightning's clipping) several
+    times; each run clips by the norm of the gradients it just made, not the first run's."""
+    import distill.metrics
+    from distill.train import train
+
+    norms, take = [], distill.metrics.grad_norm
+    monkeypatch.setattr(distill.metrics, "grad_norm",
+                        lambda *a: norms.append(take(*a)) or norms[-1])
+    runs, step = [], DistillModule.training_step
+    monkeypatch.setattr(DistillModule, "training_step",
+                        lambda self, *a: runs.append(1) or step(self, *a))
+    # no scheduler (the default one's lr is 0 at the first step) and a limit above every
+    # norm: the weights move, so each run's gradients differ
+    train(compose_cfg("+experiment=sft_fkl", "trainer.max_steps=1", "optimizer=sgd",
+                      "optimizer._target_=torch.optim.LBFGS", "optimizer.lr=0.5",
+                      "+optimizer.max_iter=3", "trainer.gradient_clip_val=1000",
+                      "scheduler=none", "callbacks.export=null", out=tmp_path / "lbfgs"))
+    assert len(runs) >= 2 and len(norms) == len(runs), (runs, norms)
+    assert len({float(n) for n in norms}) == len(norms), norms
