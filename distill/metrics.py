@@ -26,7 +26,7 @@ class StepSums:
         self.counts = None  # the last step's StepCounts
         self.trained_tokens = 0  # valid positions of every step so far, all ranks
         # (this step's norm,): computed once, for the callbacks and the clipping; cleared
-        # after the optimizer step (DistillModule.optimizer_step)
+        # by each DistillModule.training_step, whose backward brings new gradients
         self.grad_norm: tuple | None = None
 
     def add(self, loss, parts: dict, scored, counts) -> None:
@@ -89,7 +89,7 @@ class StepSums:
 def step_grad_norm(trainer, pl_module, optimizer) -> torch.Tensor | None:
     """`grad_norm` of this optimizer step, computed once for every callback that asks (the
     guard, then the step logs, then the clipping): kept in the module's StepSums, which
-    DistillModule.optimizer_step clears after the step."""
+    each DistillModule.training_step clears."""
     sums = getattr(pl_module, "sums", None)
     if sums is None:
         return grad_norm(optimizer, trainer.strategy)

@@ -78,8 +78,8 @@ class DistillModule(L.LightningModule):
         return local_step_counts(masks)
 
     def training_step(self, batch: dict, batch_idx: int):
-        # gradients to come: the norm taken for the last ones is stale (an optimizer such as
-        # LBFGS runs the step's closure, this call included, several times)
+        # gradients to come: the norm taken for the last ones (the last step's, or this
+        # step's last closure run: LBFGS runs the closure several times) is stale
         self.sums.grad_norm = None
         info = window_of(batch)
         if info is None and self.onpolicy is not None:
@@ -126,7 +126,6 @@ class DistillModule(L.LightningModule):
         # Lightning zeroes the gradients after the next step's forward: until then they
         # would sit beside its activations (a student-sized fp32 tensor at the peak)
         optimizer.zero_grad(set_to_none=True)
-        self.sums.grad_norm = None  # the next step's callbacks compute their own
 
     def validation_step(self, batch: dict, batch_idx: int):
         valid = batch_masks(batch).valid.flatten().float()

@@ -36,8 +36,7 @@ class OnPolicyStep:
                              "set loss.on_policy.fraction=0")
         self.cfg, self.teacher, self.pad_to_multiple_of = cfg, teacher_model, pad_to_multiple_of
         # the widest a rewritten row is padded to (the student's positions)
-        config = getattr(student, "config", None)
-        self.positions = config_positions(config) if config is not None else None
+        self.positions = config_positions(student.config)
         self.eos = stop_tokens(student, eos_token_id)
         pad = student.config.pad_token_id
         self.pad = pad if pad is not None else self.eos[0]
