@@ -18,7 +18,7 @@ from distill.losses.validation import check_ce_inputs, check_inputs
 from distill.ops.chunked import DEFAULT_TUNING, Targets, Tuning
 from distill.ops.cross_entropy import cross_entropy_op
 from distill.ops.function import divergence_op, report
-from distill.ops.spec import DivergenceSpec, HeadTransform
+from distill.ops.spec import DivergenceSpec, HeadTransform, op_head
 
 
 def outside_autocast(fn):
@@ -111,14 +111,14 @@ def linear_divergence(
     targets = Targets(
         teacher_hidden=teacher_hidden,
         teacher_weight=_rows(teacher_weight, vocab),
-        teacher_head=teacher_head.rows(vocab) if teacher_head is not None else None,
+        teacher_head=op_head(teacher_head, vocab),
         ids=target_ids, logprobs=target_logprobs,
     )
     parts = {"device": student_hidden.device} if return_components else None
     loss = divergence_op(
         student_hidden, _rows(student_weight, vocab), targets=targets, labels=labels,
         weights=weights, spec=spec, ce_rows=ce_rows, ignore_index=ignore_index,
-        student_head=student_head.rows(vocab) if student_head is not None else None,
+        student_head=op_head(student_head, vocab),
         chunk_size=chunk_size, fp32_weight_grad=fp32_weight_grad, backend=backend,
         tuning=tuning or DEFAULT_TUNING, parts=parts)
     if not return_components:
@@ -146,7 +146,7 @@ def linear_cross_entropy(
     vocab = check_ce_inputs(hidden, weight, labels, weights, vocab_size, ignore_index)
     return cross_entropy_op(hidden, _rows(weight, vocab), labels, weights,
                             ignore_index=ignore_index,
-                            head=head.rows(vocab) if head is not None else None,
+                            head=op_head(head, vocab),
                             chunk_size=chunk_size, fp32_weight_grad=fp32_weight_grad)
 
 

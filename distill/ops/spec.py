@@ -96,6 +96,23 @@ class HeadTransform:
             return self
         return HeadTransform(self.bias[:vocab], self.scale, self.softcap)
 
+    @property
+    def identity(self) -> bool:
+        """Adds nothing to hidden @ weight.T (most families' heads)."""
+        return self.bias is None and self.scale == 1.0 and self.softcap is None
+
+
+def op_head(head: HeadTransform | None, vocab: int) -> HeadTransform | None:
+    """The head as the ops take it: cut to `vocab` rows, None when it adds nothing.
+
+    `models.lm_head` gives every family a HeadTransform, an identity one for most. The ops
+    read None as "plain hidden @ weight.T" and only then take their fast path (the row
+    kernel applies the token weights and writes the gradient in the GEMMs' dtype; a live
+    teacher's logits come from the stats GEMM); an identity head would cost (C, V) fp32
+    temporaries per chunk for nothing (docs/notes/step_profile_2026-12-01.md).
+    """
+    return None if head is None or head.identity else head.rows(vocab)
+
 
 # How the Triton row kernels find the largest logit, whose gradient they write last as
 # minus the others' sum (distill.ops.divergence_triton; docs/notes/kernels.md has both)

@@ -202,3 +202,42 @@ def test_frozen_head_or_hidden_skips_that_gradient(cached, trainable):
     _, _, both = frozen_head_grads(x, linear_divergence, ("student_hidden", "student_weight"),
                                    kind="jsd", chunk_size=4)
     assert weight_shape in both.shapes() and d_hidden_gemms(both)
+
+
+def _heads_reaching_the_chunk_loop(monkeypatch):
+    """Spy on the chunk loop: the (student, teacher) heads of each call."""
+    from distill.ops import function
+
+    seen = []
+    real = function.fused_rows
+
+    def spy(hs, ws, targets, *args, student_head=None, **kwargs):
+        seen.append((student_head, targets.teacher_head))
+        return real(hs, ws, targets, *args, student_head=student_head, **kwargs)
+
+    monkeypatch.setattr(function, "fused_rows", spy)
+    return seen
+
+
+def test_a_plain_lm_head_reaches_the_chunk_loop_as_no_head(monkeypatch):
+    """models.lm_head gives every family a HeadTransform, an identity one for Llama's head.
+    The chunk loop takes its fast path only for None (the row kernel applies the weights and
+    writes the gradient; a live teacher's logits come from the stats GEMM on CUDA): the
+    head a run passes must reach it as None, and a head with extras as itself."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from distill.models import lm_head
+    from distill.ops.spec import HeadTransform
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=53, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2))
+    weight, head = lm_head(model)
+    assert isinstance(head, HeadTransform) and head.identity
+    x = make_inputs(v=53, hs=16, ht=16)
+    seen = _heads_reaching_the_chunk_loop(monkeypatch)
+    scaled = HeadTransform(scale=0.5)
+    for h in (head, scaled):
+        linear_divergence(x["student_hidden"].requires_grad_(), weight,
+                          teacher_hidden=x["teacher_hidden"], teacher_weight=x["teacher_weight"],
+                          labels=x["labels"], student_head=h, teacher_head=h)
+    assert seen == [(None, None), (scaled, scaled)]
