@@ -3,12 +3,17 @@ loggers, the trainer, the resume checkpoint and the run's summary."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
+
 from hydra.errors import InstantiationException
+from hydra.utils import get_method
 from hydra.utils import instantiate as hydra_instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from distill.callbacks.task_eval import TaskAccuracy, references_for
 from distill.checkpoint_io import AtomicCheckpointIO
+from distill.config import unfused_step_needed
 from distill.loggers import build_loggers, close_loggers
 
 
@@ -20,6 +25,17 @@ def instantiate(node, **kwargs):
         if isinstance(err.__cause__, (ValueError, OSError)):
             raise err.__cause__ from None
         raise
+
+
+def optimizer(node, trainer: Mapping):
+    """The optimizer factory. Where this trainer's clipping needs the unfused step
+    (distill.config.unfused_step_needed), a factory whose `fused` is left to its default
+    (distill.optim.adamw takes the fused kernel on CUDA) gets fused=False."""
+    if node.get("fused") is None and unfused_step_needed(trainer):
+        target = get_method(node["_target_"])
+        if "fused" in inspect.signature(target).parameters:
+            return instantiate(node, fused=False)
+    return instantiate(node)
 
 
 def build_callbacks(cfg, run, tokenizer, teacher_tokenizer=None) -> list:

@@ -178,30 +178,14 @@ def cross_checks(run: RunConfig) -> list[str]:
                    "overwrite_tensor_vt_proxy), and inductor already fuses the RMSNorm, SwiGLU "
                    "and RoPE that Liger would replace; choose one (docs/benchmarks.md "
                    "measures both)")
-    clip = trainer.get("gradient_clip_val")
-    # A fused optimizer unscales the gradients in its own step, after the clipping: under a
-    # GradScaler (16-mixed; on CPU Lightning runs that as bf16-mixed, with none) clipping would
-    # see scaled gradients. Lightning's AMP plugin stops such a run at its first step, FSDP's
-    # would clip them wrongly. Lightning's AMP plugin refuses value clipping for a fused
-    # optimizer even without a scaler; by norm DistillModule.configure_gradient_clipping
-    # clips without it, and FSDP clips through the wrapped module
-    precision = str(trainer.get("precision", ""))
-    scaler = precision in ("16-mixed", "16") and trainer.get("accelerator") != "cpu"
-    amp = precision in ("16-mixed", "16", "bf16-mixed", "bf16")
-    by_value = trainer.get("gradient_clip_algorithm") == "value"
-    fsdp = "fsdp" in str(trainer.get("strategy", "")).lower()
-    if (run.optimizer.get("fused") is True and clip and float(clip) > 0
-            and (scaler or (amp and by_value and not fsdp))):
-        why = ("its GradScaler scales the gradients, which a fused optimizer unscales only in "
-               "its own step, after the clipping (Lightning stops the run at its first step; "
-               "under FSDP they would be clipped while scaled)" if scaler else
-               "Lightning clips by value through its AMP plugin, which refuses a fused "
-               "optimizer at the first step")
+    why = unfused_step_needed(trainer)
+    if run.optimizer.get("fused") is True and why:
+        clip, precision = trainer.get("gradient_clip_val"), trainer.get("precision")
+        by_norm = "" if str(precision) in ("16-mixed", "16") else (
+            " or trainer.gradient_clip_algorithm=norm")
         out.append(f"optimizer.fused=true with trainer.gradient_clip_val={clip} under "
-                   f"trainer.precision={precision}: {why}; set optimizer.fused=null (torch's "
-                   "foreach AdamW)"
-                   + (" or trainer.gradient_clip_algorithm=norm" if not scaler else "")
-                   + " or trainer.gradient_clip_val=null")
+                   f"trainer.precision={precision}: {why}; set optimizer.fused=false (torch's "
+                   f"foreach AdamW){by_norm} or trainer.gradient_clip_val=null")
     out += _device_checks(trainer)
     out += _nothing_learns(run.loss)
     return out
@@ -211,6 +195,32 @@ def cross_checks(run: RunConfig) -> list[str]:
 # far down (a warning)
 MAX_TEMPERATURE, SOFT_TEMPERATURE = 1000.0, 20.0
 MIN_BETA, SOFT_BETA = 1e-3, 0.05
+
+
+def unfused_step_needed(trainer: Mapping) -> str | None:
+    """Why this trainer's clipping needs an optimizer that does not unscale in its own step
+    (a fused one does), or None. Refuses `optimizer.fused=true` (cross_checks) and keeps
+    distill.optim.adamw's CUDA default off the fused kernel (assemble.optimizer)."""
+    clip = trainer.get("gradient_clip_val")
+    if not (clip and float(clip) > 0):
+        return None
+    # Under a GradScaler (16-mixed; on CPU Lightning runs that as bf16-mixed, with none)
+    # clipping would see scaled gradients: Lightning's AMP plugin stops such a run at its
+    # first step, FSDP's would clip them wrongly. Lightning's AMP plugin refuses value
+    # clipping for a fused optimizer even without a scaler; by norm
+    # DistillModule.configure_gradient_clipping clips without it, and FSDP clips through the
+    # wrapped module.
+    precision = str(trainer.get("precision", ""))
+    if precision in ("16-mixed", "16") and trainer.get("accelerator") != "cpu":
+        return ("its GradScaler scales the gradients, which a fused optimizer unscales only "
+                "in its own step, after the clipping (Lightning stops the run at its first "
+                "step; under FSDP they would be clipped while scaled)")
+    amp = precision in ("16-mixed", "16", "bf16-mixed", "bf16")
+    fsdp = "fsdp" in str(trainer.get("strategy", "")).lower()
+    if amp and trainer.get("gradient_clip_algorithm") == "value" and not fsdp:
+        return ("Lightning clips by value through its AMP plugin, which refuses a fused "
+                "optimizer at the first step")
+    return None
 
 
 def _nothing_learns(loss) -> list[str]:

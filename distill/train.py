@@ -77,7 +77,7 @@ def train(cfg: DictConfig, *, student=None, teacher=None) -> dict:
             log.info("speed levers: %s", ", ".join(levers))
         teacher.prepare(data, tokenizer)
         module = DistillModule(
-            student, teacher, run.loss, optimizer=assemble.instantiate(cfg.optimizer),
+            student, teacher, run.loss, optimizer=assemble.optimizer(cfg.optimizer, run.trainer),
             scheduler=assemble.instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
             vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
             cross=cross, pad_to_multiple_of=run.data.pad_to_multiple_of)

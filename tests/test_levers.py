@@ -201,7 +201,7 @@ def test_fused_optimizer_with_clipping_is_refused_where_lightning_would_stop(com
     for precision in ("16-mixed", "16"):  # the GradScaler's (Lightning's two names)
         with pytest.raises(ConfigError, match=rf"optimizer.fused=true with trainer.gradient_"
                            rf"clip_val=1.0 under trainer.precision={precision}: its "
-                           r"GradScaler .*set optimizer.fused=null"):
+                           r"GradScaler .*set optimizer.fused=false"):
             validate(compose_cfg(*args, f"trainer.precision={precision}"))
     for precision in ("bf16-mixed", "bf16"):
         validate(compose_cfg(*args, f"trainer.precision={precision}"))  # by norm: fine

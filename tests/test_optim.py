@@ -49,3 +49,53 @@ def test_warmup_then_cosine():
         cosine_with_warmup(opt, num_training_steps=10, warmup_ratio=1.0)
     with pytest.raises(ValueError, match="set trainer.max_steps"):
         cosine_with_warmup(opt, num_training_steps=float("inf"))
+
+
+def test_the_fused_kernel_is_the_default_on_cuda_parameters_only():
+    from types import SimpleNamespace
+
+    from distill.optim import fused_by_default
+
+    def param(cuda, floating=True):
+        return SimpleNamespace(is_cuda=cuda, is_floating_point=lambda: floating)
+
+    assert fused_by_default([param(True), param(True)]) is True
+    assert fused_by_default([param(True), param(False)]) is None  # one on the CPU
+    assert fused_by_default([param(True, floating=False)]) is None
+    assert fused_by_default([]) is None
+    opt = adamw([torch.nn.Parameter(torch.ones(2, 2))], lr=0.1)
+    assert not opt.defaults["fused"]  # CPU: torch's default (foreach / for-loop)
+    opt = adamw([torch.nn.Parameter(torch.ones(2, 2))], lr=0.1, fused=False)
+    assert opt.defaults["fused"] is False
+
+
+@pytest.mark.gpu
+def test_adamw_on_cuda_parameters_is_fused():
+    p = torch.nn.Parameter(torch.ones(4, 4, device="cuda"))
+    assert adamw([p], lr=0.1).defaults["fused"] is True
+
+
+@pytest.mark.parametrize("overrides,fused", [
+    # a GradScaler (16-mixed on a GPU) with clipping: fused would unscale after the clipping
+    (["trainer=gpu", "trainer.precision=16-mixed"], False),
+    (["trainer=auto", "trainer.precision=16-mixed"], False),  # auto may find a GPU
+    # value clipping under AMP: Lightning's plugin refuses a fused optimizer
+    (["trainer=gpu", "+trainer.gradient_clip_algorithm=value"], False),
+    # by norm under bf16-mixed, or no clipping: adamw's own default (fused on CUDA)
+    (["trainer=gpu"], "default"),
+    (["trainer=gpu", "trainer.precision=16-mixed", "trainer.gradient_clip_val=null"], "default"),
+    (["trainer=cpu", "trainer.precision=16-mixed"], "default"),  # CPU: no GradScaler
+    # set by the user: kept
+    (["trainer=gpu", "+optimizer.fused=true"], True),
+    (["trainer=gpu", "trainer.precision=16-mixed", "+optimizer.fused=false"], False),
+])
+def test_the_run_turns_the_fused_kernel_off_where_its_clipping_needs_it(compose_cfg,
+                                                                        overrides, fused):
+    from omegaconf import OmegaConf
+
+    from distill import assemble
+
+    cfg = compose_cfg("+experiment=hf_sft", "paths.data=.", *overrides)
+    # (the trainer as the run reads it; parsing would refuse trainer=gpu on a CPU machine)
+    factory = assemble.optimizer(cfg.optimizer, OmegaConf.to_container(cfg.trainer, resolve=True))
+    assert factory.keywords.get("fused", "default") == fused
