@@ -1,6 +1,7 @@
 """The logits GEMM alone: cuBLAS against the Triton GEMM with the softmax-stats epilogue.
 
-One chunk of the fused op's forward (C rows, H = 4096, V = 128256, bf16 in, fp32 out),
+One chunk of the fused op's forward (C rows, H = 4096 unless --hidden, V = 128256, bf16 in,
+fp32 out),
 median ms and TFLOP/s per variant, plus the error of the Triton logits and stats against
 cuBLAS / torch. Decides whether pass 1 of the row kernel can move into the GEMM
 (docs/notes/kernels.md).
@@ -25,7 +26,7 @@ from bench_loss import _time  # noqa: E402
 
 from distill.ops.logits_gemm import _parse_config, logits_and_stats  # noqa: E402
 
-H, V = 4096, 128256
+V = 128256
 CONFIGS = [  # (BM, BN, BK, warps, stages), tma_store
     ((128, 256, 64, 8, 3), 0),
     ((128, 256, 64, 8, 4), 0),
@@ -97,7 +98,7 @@ def _ref_stats(z, inv_t, bn):
     return m, (a - m[..., None]).exp().sum(-1)
 
 
-def run(c, reps, configs):
+def run(c, reps, configs, H=4096):
     g = torch.Generator(device="cuda").manual_seed(c)
     a = (torch.randn(c, H, device="cuda", generator=g)).bfloat16()
     b = (torch.randn(V, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
@@ -147,17 +148,18 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--c", type=int, nargs="+", default=[640, 1024])
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--hidden", type=int, default=4096, help="H, the GEMM's K")
     p.add_argument("--out", type=Path, default=Path("bench_out/gemm"))
     p.add_argument("--configs", nargs="*", help="BM,BN,BK,warps,stages,tma_store (default: all)")
     args = p.parse_args()
     configs = [_parse_config(t) for t in args.configs] if args.configs else CONFIGS
     args.out.mkdir(parents=True, exist_ok=True)
-    res = {str(c): run(c, args.reps, configs) for c in args.c}
+    res = {str(c): run(c, args.reps, configs, args.hidden) for c in args.c}
     res["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                      triton=triton.__version__)
+                      triton=triton.__version__, hidden=args.hidden)
     (args.out / "bench_gemm.json").write_text(json.dumps(res, indent=1))
     for c, rows in res.items():
-        if c == "env":
+        if c == "env" or not isinstance(rows, dict) or "cublas bf16 out" not in rows:
             continue
         best = min((r["ms"], k) for k, r in rows.items() if "ms" in r and "stats" in k)
         print(f"C={c}: cublas bf16 {rows['cublas bf16 out']['ms']:.3f} ms, fp32 "
