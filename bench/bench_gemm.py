@@ -24,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_loss import _time  # noqa: E402
 
-from distill.ops.logits_gemm import _parse_config, logits_and_stats  # noqa: E402
+from distill.ops.logits_gemm import logits_and_stats  # noqa: E402
 
 V = 128256
 CONFIGS = [  # (BM, BN, BK, warps, stages), tma_store
@@ -144,6 +144,14 @@ def run(c, reps, configs, H=4096):
     return rows
 
 
+def parse_config(text: str):
+    """"BM,BN,BK,warps,stages,tma_store" -> ((BM, BN, BK, warps, stages), tma_store)."""
+    values = tuple(int(v) for v in text.split(","))
+    if len(values) != 6:
+        raise SystemExit(f"--configs {text}: give BM,BN,BK,warps,stages,tma_store")
+    return values[:5], values[5]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--c", type=int, nargs="+", default=[640, 1024])
@@ -152,7 +160,7 @@ def main():
     p.add_argument("--out", type=Path, default=Path("bench_out/gemm"))
     p.add_argument("--configs", nargs="*", help="BM,BN,BK,warps,stages,tma_store (default: all)")
     args = p.parse_args()
-    configs = [_parse_config(t) for t in args.configs] if args.configs else CONFIGS
+    configs = [parse_config(t) for t in args.configs] if args.configs else CONFIGS
     args.out.mkdir(parents=True, exist_ok=True)
     res = {str(c): run(c, args.reps, configs, args.hidden) for c in args.c}
     res["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
