@@ -42,37 +42,57 @@ REFUSED = {"compile + liger": "refused before loading (distill.config: speed.com
                               "with speed.liger=true)"}
 
 
-def measure(args, name: str) -> dict:
-    """One combination, in this process: the teacher forward and distill's step."""
+def setup(args, speed: dict, cuda: bool):
+    """The pair built in memory at real shapes (tiny on CPU), the levers of `speed` applied
+    as a run applies them, distill's module and one batch: (run, student, teacher, module,
+    batch, what was applied). bench/profile_step.py builds its step the same way."""
     import torch
-    from bench_train import PEAK_TFLOPS, flops_per_token, timed_ms
-    from bench_train_steps import build, distill_step, make_batch, make_module, teacher_step
+    from bench_train_steps import build, make_batch, make_module
 
     from distill.levers import Speed, apply_levers
 
-    cuda = torch.cuda.is_available() and not args.tiny
     run = SimpleNamespace(args=args, device=torch.device("cuda" if cuda else "cpu"), cuda=cuda)
+    student, teacher = build(args.pair, run)
+    applied = apply_levers(Speed(**speed), student, teacher.model)
+    module = make_module(student, teacher, student.config.vocab_size)
+    batch = make_batch(args.rows, args.seq, student.config.vocab_size, run.device)
+    return run, student, teacher, module, batch, applied
+
+
+def rates(kind: str, ms: float, student, teacher, args) -> dict:
+    """ms, tokens/s and MFU (6 N_student + 2 N_teacher, bench_train's count) of one step
+    kind ("teacher": the teacher forward; "live": distill's step)."""
+    from bench_train import PEAK_TFLOPS, flops_per_token
+
+    tokens = args.rows * args.seq
+    dense, _ = flops_per_token(kind, student, teacher.model, args.seq)
+    return {"ms": ms, "tokens_per_s": tokens / ms * 1e3,
+            "mfu": tokens / ms * 1e3 * dense / PEAK_TFLOPS / 1e12}
+
+
+def measure(args, name: str) -> dict:
+    """One combination, in this process: the teacher forward and distill's step."""
+    import torch
+    from bench_train import timed_ms
+    from bench_train_steps import distill_step, teacher_step
+
+    cuda = torch.cuda.is_available() and not args.tiny
     speed = dict(COMBOS[name])
     if speed.get("liger") and not cuda:
         return {"skipped": "Liger's kernels need a CUDA GPU"}
     if speed.get("compile") and args.tiny:
         speed["compile_backend"] = "aot_eager"  # no C++ compiler needed on the CPU
-    student, teacher = build(args.pair, run)
-    out = {"applied": apply_levers(Speed(**speed), student, teacher.model)}
-    module = make_module(student, teacher, student.config.vocab_size)
-    batch = make_batch(args.rows, args.seq, student.config.vocab_size, run.device)
-    tokens = args.rows * args.seq
+    run, student, teacher, module, batch, applied = setup(args, speed, cuda)
+    out = {"applied": applied}
     warm = 3 if speed.get("compile") else 1
     for kind, make in (("teacher", teacher_step), ("live", distill_step)):
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        ms = timed_ms(make(module, batch, run), run, warm, args.reps)
-        dense, _ = flops_per_token(kind, student, teacher.model, args.seq)
-        row = {"ms": ms, "tokens_per_s": tokens / ms * 1e3,
-               "mfu": tokens / ms * 1e3 * dense / PEAK_TFLOPS / 1e12,
-               "wall_s": time.perf_counter() - t0}
+        row = rates(kind, timed_ms(make(module, batch, run), run, warm, args.reps), student,
+                    teacher, args)
+        row["wall_s"] = time.perf_counter() - t0
         if cuda:
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["teacher forward" if kind == "teacher" else "step"] = row

@@ -27,7 +27,6 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -216,7 +215,8 @@ def main(argv=None) -> dict:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="speed.compile=true")
-    p.add_argument("--fused-adamw", action="store_true", help="optimizer.fused=true")
+    p.add_argument("--foreach-adamw", action="store_true",
+                   help="optimizer.fused=false (the default before fused AdamW on CUDA)")
     p.add_argument("--sdpa", default=None, help="an sdpa backend for the whole run "
                    "(FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION)")
     p.add_argument("--skip", default="", help="comma list of: step, attention, optimizer, gemm")
@@ -246,41 +246,30 @@ def main(argv=None) -> dict:
 def step_profile(args, cuda: bool) -> dict:
     from contextlib import nullcontext
 
-    from bench_train import PEAK_TFLOPS, flops_per_token
-    from bench_train_steps import build, distill_step, make_batch, make_module, teacher_step
-
-    from distill.levers import Speed, apply_levers
+    from bench_levers import rates, setup
+    from bench_train_steps import distill_step, teacher_step
 
     if args.tiny:
         args.rows, args.seq = min(args.rows, 2), min(args.seq, 32)
-    run = SimpleNamespace(args=args, device=torch.device("cuda" if cuda else "cpu"), cuda=cuda)
-    student, teacher = build(args.pair, run)
-    speed = Speed(compile=args.compile,
-                  compile_backend="aot_eager" if (args.compile and not cuda) else "inductor")
-    res = {"applied": apply_levers(speed, student, teacher.model)}
-    module = make_module(student, teacher, student.config.vocab_size)
-    if args.fused_adamw:
+    speed = {"compile": args.compile,
+             "compile_backend": "aot_eager" if (args.compile and not cuda) else "inductor"}
+    run, student, teacher, module, batch, applied = setup(args, speed, cuda)
+    res = {"applied": applied}
+    if args.foreach_adamw:
         from distill.optim import adamw
         params = [p for p in student.parameters() if p.requires_grad]
-        module.optimizer = adamw(params, lr=1e-5, weight_decay=0.01, fused=True)
-    batch = make_batch(args.rows, args.seq, student.config.vocab_size, run.device)
-    tokens = args.rows * args.seq
+        module.optimizer = adamw(params, lr=1e-5, weight_decay=0.01, fused=False)
+    ctx = nullcontext
     if args.sdpa and cuda:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         # the chosen backend first, the others after it where it cannot take a call
         order = [getattr(SDPBackend, args.sdpa)] + [
             b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                         SDPBackend.MATH) if b != getattr(SDPBackend, args.sdpa)]
-        ctx = lambda: sdpa_kernel(order, set_priority=True)  # noqa: E731
-    else:
-        ctx = nullcontext
+        ctx = functools.partial(sdpa_kernel, order, set_priority=True)
     warm = 3 if args.compile else 1
     for kind, make in (("teacher", teacher_step), ("live", distill_step)):
-        inner = make(module, batch, run)
-
-        def fn(inner=inner):
-            with ctx():
-                inner()
+        fn = functools.partial(_within, ctx, make(module, batch, run))
         if not cuda:
             for _ in range(warm + 1):
                 fn()
@@ -288,18 +277,21 @@ def step_profile(args, cuda: bool) -> dict:
         t0 = time.time()
         with Clocks() as clocks:
             ms = median_ms(fn, warm, args.reps)
-        dense, _ = flops_per_token(kind, student, teacher.model, args.seq)
-        name = "teacher forward" if kind == "teacher" else "step"
-        res[name] = {"ms": round(ms, 1), "tokens_per_s": round(tokens / ms * 1e3),
-                     "mfu": round(tokens / ms * 1e3 * dense / PEAK_TFLOPS / 1e12, 4),
-                     "wall_s": round(time.time() - t0, 1), "clocks": clocks.summary,
-                     "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
-        res[name]["profile"] = profile(fn, 1 if kind == "teacher" else 2)
+        row = {k: round(v, 4) for k, v in rates(kind, ms, student, teacher, args).items()}
+        row.update(wall_s=round(time.time() - t0, 1), clocks=clocks.summary,
+                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1),
+                   profile=profile(fn, 1 if kind == "teacher" else 2))
+        res["teacher forward" if kind == "teacher" else "step"] = row
     if cuda:
         res["step / teacher forward"] = round(res["step"]["ms"] / res["teacher forward"]["ms"], 3)
         if "optimizer" not in args.skip:
             res["optimizer"] = optimizer_ab(student, args.reps * 3)
     return res
+
+
+def _within(ctx, fn) -> None:
+    with ctx():
+        fn()
 
 
 def report(out: dict) -> str:
