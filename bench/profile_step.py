@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -120,11 +121,10 @@ class Clocks:
 
 
 def median_ms(fn, warm: int, reps: int) -> float:
-    from bench_loss import _time
+    """bench_train's timing (warm-up calls, then the median of CUDA-event timed calls)."""
+    from bench_train import timed_ms
 
-    for _ in range(warm):
-        fn()
-    return _time(fn, reps, warm=False)
+    return timed_ms(fn, SimpleNamespace(cuda=True), warm, reps)
 
 
 # --- the A/Bs ------------------------------------------------------------------------------
