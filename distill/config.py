@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from distill.cache.job import CacheSettings
 from distill.callbacks.task_eval import TaskEvalConfig
 from distill.data.config import DataConfig
-from distill.levers import Speed
+from distill.levers import Speed, packed_attention
 from distill.lora import StudentConfig
 from distill.objective import LossConfig
 from distill.optim import LR
@@ -178,6 +178,12 @@ def cross_checks(run: RunConfig) -> list[str]:
                    "overwrite_tensor_vt_proxy), and inductor already fuses the RMSNorm, SwiGLU "
                    "and RoPE that Liger would replace; choose one (docs/benchmarks.md "
                    "measures both)")
+    if run.speed.compile and _fsdp(trainer) and "flex_attention" in _attentions(run):
+        out.append("speed.compile=true under FSDP with flex_attention (set, or chosen for "
+                   "data.packing=true on CUDA): FSDP hands each compiled layer its weights as "
+                   "views, and inductor fails to lower flex_attention with a symbolic head "
+                   "ratio (LoweringException at the first step on an H200); set "
+                   "speed.compile=false (docs/benchmarks.md)")
     why = unfused_step_needed(trainer)
     if run.optimizer.get("fused") is True and why:
         clip, precision = trainer.get("gradient_clip_val"), trainer.get("precision")
@@ -189,6 +195,19 @@ def cross_checks(run: RunConfig) -> list[str]:
     out += _device_checks(trainer)
     out += _nothing_learns(run.loss)
     return out
+
+
+def _fsdp(trainer: Mapping) -> bool:
+    return "fsdp" in str(trainer.get("strategy", "")).lower()
+
+
+def _attentions(run: RunConfig) -> set[str | None]:
+    """The attention implementations the run's models will use: speed.attention, or the one
+    packed rows get on CUDA, for both models (distill.levers); else each model's own."""
+    chosen = packed_attention(run.speed, run.data.packing)
+    if chosen:
+        return {chosen}
+    return {run.student.attn_implementation, getattr(run.teacher, "attn_implementation", None)}
 
 
 # beyond these the loss's gradient vanishes (refused); beyond the softer ones it is scaled
@@ -216,8 +235,7 @@ def unfused_step_needed(trainer: Mapping) -> str | None:
                 "in its own step, after the clipping (Lightning stops the run at its first "
                 "step; under FSDP they would be clipped while scaled)")
     amp = precision in ("16-mixed", "16", "bf16-mixed", "bf16")
-    fsdp = "fsdp" in str(trainer.get("strategy", "")).lower()
-    if amp and trainer.get("gradient_clip_algorithm") == "value" and not fsdp:
+    if amp and trainer.get("gradient_clip_algorithm") == "value" and not _fsdp(trainer):
         return ("Lightning clips by value through its AMP plugin, which refuses a fused "
                 "optimizer at the first step")
     return None

@@ -53,6 +53,37 @@ def test_compile_with_liger_is_refused_before_anything_loads(compose_cfg):
         validate(compose_cfg("+experiment=sft_rkl", "speed.compile=true", "speed.liger=true"))
 
 
+FSDP_CPU = ("trainer=fsdp", "trainer.accelerator=cpu", "trainer.precision=32-true",
+            "trainer.devices=2")
+
+
+def test_compile_under_fsdp_with_flex_attention_is_refused_before_anything_loads(
+        compose_cfg, monkeypatch):
+    """Measured on the H200: FSDP + speed.compile + flex_attention stops at the first step in
+    inductor (LoweringException: the GQA ratio is symbolic). flex_attention is what packed
+    rows get on CUDA without flash-attn, so the rule follows that choice; FSDP with compile
+    and another attention, and compile with flex_attention without FSDP, are not refused."""
+    from distill.config import ConfigError, validate
+
+    refusal = ("speed.compile=true under FSDP with flex_attention .* inductor fails to lower "
+               "flex_attention .* set speed.compile=false")
+    base = ("+experiment=sft_rkl", "speed.compile=true")
+    with pytest.raises(ConfigError, match=refusal):
+        validate(compose_cfg(*base, *FSDP_CPU, "speed.attention=flex_attention"))
+    with pytest.raises(ConfigError, match=refusal):  # the models' own setting
+        validate(compose_cfg(*base, *FSDP_CPU, "student.attn_implementation=flex_attention"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match=refusal):  # packed rows on CUDA choose it
+        validate(compose_cfg(*base, *FSDP_CPU, "data.packing=true"))
+    # speed.attention wins over the models' own; no FSDP; compile off; unpacked rows
+    for ok in [(*base, *FSDP_CPU, "speed.attention=sdpa", "data.packing=true",
+                "student.attn_implementation=flex_attention"),
+               (*base, "speed.attention=flex_attention", "data.packing=true"),
+               ("+experiment=sft_rkl", *FSDP_CPU, "speed.attention=flex_attention"),
+               (*base, *FSDP_CPU, "data.packing=false")]:
+        validate(compose_cfg(*ok))
+
+
 def test_gradient_checkpointing_recomputes_and_keeps_every_gradient():
     plain, ckpt = tiny_llama(), tiny_llama()
     teacher = tiny_llama(seed=1)
