@@ -103,13 +103,14 @@ class DistillModule(L.LightningModule):
 
     def _drop_earlier_traces(self) -> None:
         """Right before the first training forward, and the first after each validation.
-        The models ran at other shapes before it: HeadCheck on one row of 16 tokens, the
-        validation on its batches (the teacher under the same guards as in training), the
-        first rollout's generate on its prompts and decode steps. Code torch.compile traced
-        there (transformers' flex_attention, layers compiled by speed.compile) would make
-        the training graphs dynamic in batch and length: slower kernels for the rest of the
-        run (flex_attention's 1.5-1.8x on the H200). It is traced afresh at this batch's
-        shapes instead; inductor's on-disk caches keep that retrace short."""
+        The models ran at other shapes before it: the validation on its batches (the teacher
+        under the same guards as in training), the first rollout's generate on its prompts
+        and decode steps, HeadCheck on one row of 16 tokens (eagerly on torch >= 2.6). Code
+        torch.compile traced there (transformers' flex_attention, layers compiled by
+        speed.compile) would make the training graphs dynamic in batch and length: slower
+        kernels for the rest of the run (flex_attention's 1.5-1.8x on the H200). It is traced
+        afresh at this batch's shapes instead; inductor's on-disk caches keep that retrace
+        short."""
         self._traced_fresh = True
         if not torch.compiler.is_compiling():  # a compiled training_step traces this call
             torch.compiler.reset()

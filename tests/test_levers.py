@@ -324,16 +324,30 @@ def _traces(compose_cfg, out, monkeypatch, *overrides, experiment="sft_fkl"):
             [t for phase, t in TRACES if phase == "training 1"])
 
 
-def test_the_first_real_batch_traces_compiled_layers_as_if_nothing_ran_before(
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch < 2.6")
+def test_the_head_check_traces_nothing_and_the_first_batch_compiles_as_without_it(
         compose_cfg, tmp_path, monkeypatch):
     """HeadCheck runs both models on one row of 16 tokens before the first step. Compiled
-    code traced there would be traced again with the batch and length dynamic at the first
-    batch (slower kernels all run long: flex_attention's took 1.5-1.8x on the H200). The run
-    traces the same graphs as one without the check."""
+    code traced there would be thrown away before the first training forward (traced at 16
+    tokens, it would make the batch's graphs dynamic: slower kernels all run long,
+    flex_attention's 1.5-1.8x on the H200), its compile time spent for nothing. The check
+    runs compiled code eagerly: nothing is traced
+    there, it still compares both models' logits, and training traces the same graphs as a
+    run without the check."""
+    from distill.callbacks import head_check
+
+    compared, compare = [], head_check.head_mismatch
+
+    def spied(model, *a, **kw):
+        compared.append(type(model).__name__)
+        return compare(model, *a, **kw)
+
+    monkeypatch.setattr(head_check, "head_mismatch", spied)
     checks, training, _ = _traces(compose_cfg, tmp_path / "a", monkeypatch)
+    assert len(compared) == 2 and not checks  # student and teacher checked, nothing traced
     no_checks, alone, _ = _traces(compose_cfg, tmp_path / "b", monkeypatch,
                                   "callbacks.head_check=null")
-    assert checks and not no_checks and alone
+    assert len(compared) == 2 and not no_checks and alone
     assert training == alone
     assert not any(0 in dims for graph in training for dims in graph)  # the batch stays static
 

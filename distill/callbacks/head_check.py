@@ -10,6 +10,9 @@ own `forward().logits` (one short row slice: the check costs one tiny forward).
 
 from __future__ import annotations
 
+import warnings
+from contextlib import contextmanager
+
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
@@ -98,7 +101,7 @@ class HeadCheck(L.Callback):
             vocab = getattr(pl_module.teacher, "vocab_size", pl_module.vocab_size)
             models["teacher"] = (teacher, t_ids, vocab)
         problems = []
-        with trainer.precision_plugin.forward_context():
+        with trainer.precision_plugin.forward_context(), _uncompiled():
             for who, (model, tokens, vocab) in models.items():
                 problem = head_mismatch(model, tokens, vocab, self.tolerance)
                 if problem:
@@ -113,3 +116,20 @@ class HeadCheck(L.Callback):
                 "(callbacks.head_check=null) trains against the wrong distribution.")
         rank_zero_info(f"head check passed for {', '.join(models)} "
                        f"({ids.shape[1]} positions)")
+
+
+@contextmanager
+def _uncompiled():
+    """Compiled code runs eagerly inside (torch >= 2.6): the layers `speed.compile` compiled
+    and transformers' flex_attention would otherwise be traced and compiled for a 16-token
+    row, graphs the module drops before its first training forward
+    (DistillModule._drop_earlier_traces): compile time spent for nothing at every start."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    with warnings.catch_warnings():
+        # flex_attention's one-time advice to compile it: it is compiled, but not here
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        if stance is None:  # older torch: traced here, dropped before the first step
+            yield
+        else:
+            with stance("force_eager"):
+                yield
