@@ -11,6 +11,7 @@ from hydra.utils import get_method
 from hydra.utils import instantiate as hydra_instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from distill.callbacks.compile_watch import CompileWatch
 from distill.callbacks.task_eval import TaskAccuracy, references_for
 from distill.checkpoint_io import AtomicCheckpointIO
 from distill.config import unfused_step_needed
@@ -72,6 +73,7 @@ def finish(trainer, module, callbacks: list, run, wall_s: float) -> dict:
     """Score the trained student (the demo tasks) and gather the run's summary."""
     export = next((cb for cb in callbacks if hasattr(cb, "saved_to")), None)
     scores = next((cb for cb in callbacks if isinstance(cb, TaskAccuracy)), None)
+    watch = next((cb for cb in callbacks if isinstance(cb, CompileWatch)), None)
     references = references_for(run.evaluate.references, run.loss) if run.evaluate else []
     return {
         "student_dir": str(export.saved_to) if export and export.saved_to else None,
@@ -81,6 +83,7 @@ def finish(trainer, module, callbacks: list, run, wall_s: float) -> dict:
         "global_step": trainer.global_step,
         "trained_tokens": module.sums.trained_tokens,  # this process's steps (since a resume)
         "wall_s": wall_s,
+        "compile": watch.report() if watch else None,
     }
 
 

@@ -23,6 +23,13 @@ def summary_lines(summary: dict) -> list[str]:
     lines.append(f"  optimizer steps:  {summary['global_step']}  ({summary['wall_s']:.0f} s)")
     if summary.get("trained_tokens"):
         lines.append(f"  trained tokens:   {summary['trained_tokens']}")
+    if summary.get("compile"):
+        c = summary["compile"]
+        steps = ", ".join(map(str, c["late_steps"][:8])) + (
+            " ..." if len(c["late_steps"]) > 8 else "")
+        late = f"{c['late']} after the warm-up (steps {steps})" if c["late"] else (
+            "none after the warm-up")
+        lines.append(f"  torch.compile:    {c['graphs']} graphs built in training, {late}")
     for key in ("val/loss", "val/kl", "val/ppl", "val/teacher_ppl"):
         if key in summary["metrics"]:
             lines.append(f"  {key:<16}  {summary['metrics'][key]:.4f}")

@@ -405,3 +405,65 @@ def test_later_rollouts_leave_every_training_forward_on_the_static_graphs(
     training = [(phase, dims) for phase, dims in CALLS if phase.startswith("training")]
     assert rolled and {p for p, _ in training} == {f"training {i}" for i in range(1, 4)}
     assert not [c for c in training if any({0, 1} & set(d) for d in c[1])], training
+
+
+def _watched(compose_cfg, out, capsys, *overrides):
+    """A compiled run's summary, its CompileWatch warnings, its printed summary and the
+    number of graphs the backend received (each graph dynamo builds goes through it once)."""
+    import warnings
+
+    from torch._dynamo import list_backends, register_backend
+
+    from distill.train import train
+
+    if "distill_test_recorder" not in list_backends(exclude_tags=()):
+        register_backend(_recording_backend, name="distill_test_recorder")
+    torch.compiler.reset()
+    TRACES.clear()
+    PHASE[0] = "run"
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = train(compose_cfg("+experiment=sft_fkl", "speed.compile=true",
+                                "speed.compile_backend=distill_test_recorder",
+                                "trainer.num_sanity_val_steps=0", "callbacks.export=null",
+                                *overrides, out=out))
+    late = [str(w.message) for w in caught if "torch.compile built" in str(w.message)]
+    return out, late, capsys.readouterr().out, len(TRACES)
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch < 2.6")
+def test_the_run_counts_the_graphs_it_compiles_and_warns_for_late_ones(compose_cfg, tmp_path,
+                                                                      capsys):
+    """CompileWatch: every graph the backend received in training is counted in the summary;
+    graphs of the first step and of the first step after a validation are the warm-up
+    (DistillModule traces afresh there); one built in any other step is a warning naming
+    the step. Batch widths fixed at 128: none late, validations included. Widths left to
+    each batch's longest row: the second width makes a dynamic graph, late, in step 2."""
+    fixed, warned, printed, received = _watched(
+        compose_cfg, tmp_path / "fixed", capsys, "trainer.max_steps=5",
+        "trainer.val_check_interval=2", "+data.pad_to_multiple_of=128", "data.batch_size=5")
+    assert fixed["compile"] == {"graphs": received, "late": 0, "late_steps": []}, fixed
+    assert received and not warned
+    assert f"torch.compile:    {received} graphs built in training, none after the warm-up" \
+        in printed
+
+    free, warned, printed, received = _watched(compose_cfg, tmp_path / "free", capsys,
+                                               "trainer.max_steps=4",
+                                               "trainer.val_check_interval=10")
+    report = free["compile"]
+    assert report["graphs"] == received and report["late"] > 0, report
+    assert report["late_steps"][0] == 2, report
+    assert warned and "in optimizer step 2, after the warm-up" in warned[0], warned
+    assert len(warned) == len(report["late_steps"])
+    assert (f"torch.compile:    {received} graphs built in training, {report['late']} after "
+            f"the warm-up (steps {', '.join(map(str, report['late_steps']))})") in printed
+
+
+def test_a_run_without_compiled_code_prints_no_compile_line(compose_cfg, tmp_path, capsys):
+    from distill.train import train
+
+    capsys.readouterr()
+    out = train(compose_cfg("+experiment=sft_fkl", "trainer.max_steps=2",
+                            "callbacks.export=null", out=tmp_path / "eager"))
+    assert out["compile"] is None and "torch.compile:" not in capsys.readouterr().out
