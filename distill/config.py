@@ -198,7 +198,12 @@ def cross_checks(run: RunConfig) -> list[str]:
 
 
 def _fsdp(trainer: Mapping) -> bool:
-    return "fsdp" in str(trainer.get("strategy", "")).lower()
+    """Whether the strategy is FSDP: its name (`fsdp`) or class (`_target_`), not the
+    values nested in it (a checkpoint folder named fsdp_runs is not FSDP)."""
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, Mapping):
+        strategy = strategy.get("_target_")
+    return "fsdp" in str(strategy or "").lower()
 
 
 def _attentions(run: RunConfig) -> set[str | None]:
@@ -207,7 +212,9 @@ def _attentions(run: RunConfig) -> set[str | None]:
     chosen = packed_attention(run.speed, run.data.packing)
     if chosen:
         return {chosen}
-    return {run.student.attn_implementation, getattr(run.teacher, "attn_implementation", None)}
+    live = run.teacher.kind == "live"  # a cached teacher runs no model
+    return {run.student.attn_implementation,
+            getattr(run.teacher, "attn_implementation", None) if live else None}
 
 
 # beyond these the loss's gradient vanishes (refused); beyond the softer ones it is scaled

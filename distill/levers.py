@@ -115,6 +115,16 @@ def apply_liger(model) -> None:
     apply(model=model, **{k: v for k, v in wanted.items() if k in accepted})
 
 
+def compiled_graphs() -> int | None:
+    """Graphs torch.compile (dynamo) has built in this process so far; None where torch does
+    not count them. distill.callbacks.CompileWatch reads it."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return None
+    return int(counters["stats"]["unique_graphs"])
+
+
 def set_attention(model, implementation: str) -> None:
     if implementation.startswith("flash"):
         from transformers.utils import is_flash_attn_2_available

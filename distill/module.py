@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from distill.data.windows import count_window, reduce_counts, window_of
+from distill.levers import compiled_graphs
 from distill.metrics import StepSums, clip_by_norm, step_grad_norm
 from distill.normalization import batch_masks, local_step_counts, token_weights, warn_if_biased
 from distill.objective import LossConfig, Objective
@@ -44,6 +45,7 @@ class DistillModule(L.LightningModule):
                                     vocab_size=vocab_size, eos_token_id=eos_token_id,
                                     cross=cross, pad_to_multiple_of=pad_to_multiple_of)
         self.onpolicy = onpolicy
+        self.rollout_graphs = 0  # graphs torch.compile built during rollouts
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.sums = StepSums()
         self._teacher_val_ce: float | None = None
@@ -88,7 +90,10 @@ class DistillModule(L.LightningModule):
                                "distill.data.DistillDataModule, or wrap the loader in "
                                "distill.data.StepWindows.from_loader(loader, K)")
         if info is not None and info.first and self.onpolicy is not None:
+            before = compiled_graphs()
             self.sums.rolled(self.onpolicy(self.student, info, self.global_rank))
+            if before is not None:  # generate's own graphs (CompileWatch counts them apart)
+                self.rollout_graphs += compiled_graphs() - before
             info.step_counts = reduce_counts(self.trainer, info, count_window(info.rolled))
         if info is not None and info.rolled is not None:
             batch = move_data_to_device(info.rolled[info.index], self.device)

@@ -29,7 +29,9 @@ def summary_lines(summary: dict) -> list[str]:
             " ..." if len(c["late_steps"]) > 8 else "")
         late = f"{c['late']} after the warm-up (steps {steps})" if c["late"] else (
             "none after the warm-up")
-        lines.append(f"  torch.compile:    {c['graphs']} graphs built in training, {late}")
+        apart = ", ".join(f"{c[k]} in {k}" for k in ("rollouts", "validation") if c.get(k))
+        lines.append(f"  torch.compile:    {c['graphs']} graphs built by training steps"
+                     f"{f' ({apart})' if apart else ''}, {late}")
     for key in ("val/loss", "val/kl", "val/ppl", "val/teacher_ppl"):
         if key in summary["metrics"]:
             lines.append(f"  {key:<16}  {summary['metrics'][key]:.4f}")

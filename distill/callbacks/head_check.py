@@ -126,7 +126,8 @@ def _uncompiled():
     (DistillModule._drop_earlier_traces): compile time spent for nothing at every start."""
     stance = getattr(torch.compiler, "set_stance", None)
     with warnings.catch_warnings():
-        # flex_attention's one-time advice to compile it: it is compiled, but not here
+        # flex_attention's one-time advice to compile it: it is compiled, but not here (torch
+        # records the advice as given, so a later uncompiled call in this process gets none)
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         if stance is None:  # older torch: traced here, dropped before the first step
             yield
