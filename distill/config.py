@@ -180,10 +180,9 @@ def cross_checks(run: RunConfig) -> list[str]:
                    "measures both)")
     if run.speed.compile and _fsdp(trainer) and "flex_attention" in _attentions(run):
         out.append("speed.compile=true under FSDP with flex_attention (set, or chosen for "
-                   "data.packing=true on CUDA): FSDP hands each compiled layer its weights as "
-                   "views, and inductor fails to lower flex_attention with a symbolic head "
-                   "ratio (LoweringException at the first step on an H200); set "
-                   "speed.compile=false (docs/benchmarks.md)")
+                   "data.packing=true on CUDA): inductor fails to lower flex_attention in the "
+                   "compiled layers there, its head ratio symbolic (LoweringException at the "
+                   "first step on an H200); set speed.compile=false (docs/benchmarks.md)")
     why = unfused_step_needed(trainer)
     if run.optimizer.get("fused") is True and why:
         clip, precision = trainer.get("gradient_clip_val"), trainer.get("precision")
