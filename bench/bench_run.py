@@ -61,7 +61,7 @@ def overrides(args, root: Path, packing: bool, cached: bool) -> list[str]:
     pair = root / args.pair
     ov = ["+experiment=hf_sft", f"student.name_or_path={pair / 'student'}",
           f"teacher.name_or_path={pair / 'teacher'}", f"paths.data={root / 'data'}",
-          "data.val=null", f"data.packing={'true' if packing else 'false'}",
+          f"data.packing={'true' if packing else 'false'}",
           f"data.max_length={args.max_length}", f"data.batch_size={args.batch_size}",
           "data.num_workers=2"]
     if not args.tiny:
@@ -72,6 +72,11 @@ def overrides(args, root: Path, packing: bool, cached: bool) -> list[str]:
         ov += ["teacher=cached", f"cache.dir={root / 'cache'}", "cache.top_k=64"]
     if args.onpolicy:
         ov += ONPOLICY
+    if args.val_every:  # validation on the first val_batches batches of the train rows
+        ov += [f"data.val=[{{name:val,kind:sft,path:'{root / 'data' / 'sft_train.jsonl'}'}}]",
+               f"++trainer.limit_val_batches={args.val_batches}"]
+    else:
+        ov.append("data.val=null")
     return ov + list(args.overrides)
 
 
@@ -80,7 +85,8 @@ def cli_run(args, root, name, packing, cached) -> dict:
     out = root / "runs" / name.replace(", ", "_")
     cmd = [sys.executable, "-m", "distill.train", *overrides(args, root, packing, cached),
            f"paths.output_dir={out}", f"trainer.max_steps={args.steps}",
-           f"trainer.val_check_interval={args.steps}", "callbacks.checkpoint=null",
+           f"trainer.val_check_interval={args.val_every or args.steps}",
+           "callbacks.checkpoint=null",
            "callbacks.export=null", "trainer.log_every_n_steps=5",
            f"+callbacks.timer={{_target_:distill.callbacks.step_timer.StepTimer,"
            f"path:'{timer}',warmup:{args.warmup}}}"]
@@ -222,6 +228,9 @@ def main(argv=None) -> int:
     p.add_argument("--onpolicy", action="store_true",
                    help="every run samples (the onpolicy variant's overrides)")
     p.add_argument("--no-step", default="", help="variants measured as runs only")
+    p.add_argument("--val-every", type=int, default=0,
+                   help="the runs validate every N steps (0: no validation)")
+    p.add_argument("--val-batches", type=int, default=4)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     if args.bench_steps is None:

@@ -10,6 +10,7 @@ flash-attention 2 when the package is installed). docs/benchmarks.md measures ea
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +114,18 @@ def apply_liger(model) -> None:
                   fused_linear_cross_entropy=False)
     accepted = inspect.signature(apply).parameters
     apply(model=model, **{k: v for k, v in wanted.items() if k in accepted})
+
+
+def compiler_stance(stance: str):
+    """`torch.compiler.set_stance(stance)` as a context (torch >= 2.6); a no-op context on
+    older torch, which has no stances (its callers say what happens there)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance(stance) if set_stance is not None else contextlib.nullcontext()
+
+
+# Validation runs the graphs training compiled and builds none (DistillModule); torch
+# without stances traces validation's graphs, and training traces afresh after them.
+VALIDATION_TRACES = not hasattr(torch.compiler, "set_stance")
 
 
 def compiled_graphs() -> int | None:

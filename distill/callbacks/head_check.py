@@ -17,6 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from distill.levers import compiler_stance
 from distill.models import final_hidden_states, lm_head
 
 # Max |difference| as a fraction of the largest |logit|, by the lowest precision among
@@ -124,13 +125,10 @@ def _uncompiled():
     and transformers' flex_attention would otherwise be traced and compiled for a 16-token
     row, graphs the module drops before its first training forward
     (DistillModule._drop_earlier_traces): compile time spent for nothing at every start."""
-    stance = getattr(torch.compiler, "set_stance", None)
     with warnings.catch_warnings():
         # flex_attention's one-time advice to compile it: it is compiled, but not here (torch
         # records the advice as given, so a later uncompiled call in this process gets none)
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        if stance is None:  # older torch: traced here, dropped before the first step
+        # older torch: traced here, dropped before the first step
+        with compiler_stance("force_eager"):
             yield
-        else:
-            with stance("force_eager"):
-                yield

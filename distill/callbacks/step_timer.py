@@ -3,8 +3,9 @@ clock and the allocator peak the benchmarks use (bench/bench_run.py puts them si
 
 A step's time runs from the previous step's end to this one's, the device synchronized at
 both ends, so it holds everything the run does per step (data, rollout, logging, the
-optimizer), validation excluded. The allocator's peak is reset after `warmup` steps;
-the JSON written to `path` when training ends has the per-step numbers and the medians.
+optimizer), validation excluded (timed apart). The allocator's peak is reset after `warmup`
+steps; the JSON written to `path` when training ends has the per-step numbers, the medians
+and each validation's seconds.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class StepTimer(L.Callback):
         self.ms: list[float] = []
         self.tokens: list[int] = []
         self.widths: list[int] = []  # the widest micro-batch of each step (its padded length)
+        self.val_s: list[float] = []  # each validation's wall time (the sanity check's too)
         self._step_tokens, self._step_width, self._last, self._seen_step = 0, 0, None, 0
 
     def _sync(self) -> None:
@@ -42,8 +44,10 @@ class StepTimer(L.Callback):
 
     def on_validation_end(self, trainer, pl_module) -> None:
         self._sync()
+        took = time.perf_counter() - self._val_t0
+        self.val_s.append(took)
         if self._last is not None:  # validation is not part of a training step
-            self._last += time.perf_counter() - self._val_t0
+            self._last += took
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         trained = trained_batch(batch)
@@ -64,7 +68,7 @@ class StepTimer(L.Callback):
     def summary(self) -> dict:
         steady = list(zip(self.ms, self.tokens))[self.warmup:]
         out = {"steps": len(self.ms), "warmup": self.warmup, "ms": self.ms,
-               "tokens": self.tokens, "widths": self.widths}
+               "tokens": self.tokens, "widths": self.widths, "val_s": self.val_s}
         if steady:
             ms = statistics.median(m for m, _ in steady)
             toks = statistics.median(t for _, t in steady)

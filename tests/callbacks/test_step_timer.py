@@ -2,6 +2,7 @@
 gap profile's reduction (bench/bench_run.py, bench/gaps.py)."""
 
 import json
+import time
 
 import lightning as L
 import torch
@@ -30,6 +31,28 @@ def test_step_timer_counts_each_optimizer_steps_tokens_and_widest_batch(tmp_path
     assert got["tokens"] == [2 * 1 + 2 * 2, 2 * 3 + 2 * 4, 2 * 5 + 2 * 6]
     assert got["widths"] == [4, 6, 8]
     assert got["median_tokens"] == 18  # the 2 steps after the warm-up: 14 and 22
+
+
+class _SlowValidation(_Tiny):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.2)
+
+
+def test_step_timer_times_each_validation_apart_from_the_steps(tmp_path):
+    """Validation after steps 2 and 4 sleeps 0.2 s a batch (two batches): each is timed, and
+    no step's time holds it (the steps themselves take milliseconds)."""
+    batch = {"input_ids": torch.ones(2, 4, dtype=torch.long),
+             "attention_mask": torch.ones(2, 4, dtype=torch.long)}
+    timer = StepTimer(str(tmp_path / "timer.json"), warmup=0)
+    trainer = L.Trainer(max_steps=4, val_check_interval=2, limit_val_batches=2,
+                        num_sanity_val_steps=0, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[timer])
+    trainer.fit(_SlowValidation(), train_dataloaders=DataLoader([batch] * 4, batch_size=None),
+                val_dataloaders=DataLoader([batch] * 2, batch_size=None))
+    got = json.loads((tmp_path / "timer.json").read_text())
+    assert len(got["val_s"]) == 2 and all(0.4 <= s < 2.0 for s in got["val_s"]), got
+    assert len(got["ms"]) == 4 and max(got["ms"]) < 200, got
 
 
 def test_same_batches_ratio_needs_the_same_tokens_and_widths():
