@@ -123,10 +123,6 @@ def compiler_stance(stance: str):
     return set_stance(stance) if set_stance is not None else contextlib.nullcontext()
 
 
-# Validation runs the graphs training compiled and builds none (DistillModule); torch
-# without stances traces validation's graphs, and training traces afresh after them.
-VALIDATION_TRACES = not hasattr(torch.compiler, "set_stance")
-
 
 def compiled_graphs() -> int | None:
     """Graphs torch.compile (dynamo) has built in this process so far; None where torch does

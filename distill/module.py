@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from distill.data.windows import count_window, reduce_counts, window_of
-from distill.levers import VALIDATION_TRACES, compiled_graphs, compiler_stance
+from distill.levers import compiled_graphs
 from distill.metrics import StepSums, clip_by_norm, step_grad_norm
 from distill.normalization import batch_masks, local_step_counts, token_weights, warn_if_biased
 from distill.objective import LossConfig, Objective
@@ -107,22 +107,21 @@ class DistillModule(L.LightningModule):
         return loss * (step.accumulate * step.world_size)
 
     def _drop_earlier_traces(self) -> None:
-        """Right before the first training forward (and, on torch < 2.6, the first after
-        each validation). The models may have run at other shapes before it: the first
-        rollout's generate on its prompts and decode steps; on torch < 2.6 HeadCheck on one
-        row of 16 tokens and the validation on its batches (the teacher under the same
-        guards as in training; since 2.6 both run compiled code without tracing any). Code
+        """Right before the first training forward, and the first after each validation.
+        The models ran at other shapes before it: the validation on its batches (the teacher
+        under the same guards as in training), the first rollout's generate on its prompts
+        and decode steps, HeadCheck on one row of 16 tokens (eagerly on torch >= 2.6). Code
         torch.compile traced there (transformers' flex_attention, layers compiled by
         speed.compile) would make the training graphs dynamic in batch and length: slower
         kernels for the rest of the run (flex_attention's 1.5-1.8x on the H200). It is traced
-        afresh at this batch's shapes instead."""
+        afresh at this batch's shapes instead; inductor's on-disk caches keep that retrace
+        short."""
         self._traced_fresh = True
         if not torch.compiler.is_compiling():  # a compiled training_step traces this call
             torch.compiler.reset()
 
     def on_validation_end(self):
-        # the first training forward resets anyway
-        if VALIDATION_TRACES and not self.trainer.sanity_checking:
+        if not self.trainer.sanity_checking:  # the first training forward resets anyway
             self._traced_fresh = False
 
     def on_before_optimizer_step(self, optimizer):
@@ -136,14 +135,8 @@ class DistillModule(L.LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int):
         valid = batch_masks(batch).valid.flatten().float()
-        # Compiled code (speed.compile's layers, transformers' flex_attention) runs the
-        # graphs training built where their guards hold, and eagerly where they do not (no
-        # grad, another batch size): graphs traced here would be dynamic in the validation's
-        # shapes and catch later training calls, and dropping them costs a retrace after
-        # every validation (docs/benchmarks.md measures both).
-        with compiler_stance("eager_on_recompile"):
-            self.sums.add_val(self.objective.validation(self.student, batch, valid,
-                                                        self._teacher_val_ce is None))
+        self.sums.add_val(self.objective.validation(self.student, batch, valid,
+                                                    self._teacher_val_ce is None))
 
     def on_validation_epoch_end(self):
         totals = self.sums.take_val(self.trainer.strategy)

@@ -5,10 +5,10 @@ step builds them after the warm-up.
 A graph a training step builds later means an input shape or mode the run had not seen: a
 batch width, a smaller last batch. Each costs compile time, and a shape that keeps changing
 ends in graphs dynamic in it (slower kernels for the rest of the run). The first optimizer
-step is the warm-up (DistillModule traces afresh there; on torch < 2.6, where validation
-traces graphs of its own, so is the first after each validation). Graphs built in
-validation and in on-policy rollouts (their generate meets new prompt and decode shapes by
-design) are counted apart and never warned about. The run's summary prints the counts.
+step and the first after each validation are the warm-up (DistillModule traces afresh
+there). Graphs built in validation and in on-policy rollouts (their generate meets new
+prompt and decode shapes by design) are counted apart and never warned about. The run's
+summary prints the counts.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 
-from distill.levers import VALIDATION_TRACES, compiled_graphs
+from distill.levers import compiled_graphs
 
 WARNINGS = 3  # then only the summary's count
 
@@ -46,9 +46,7 @@ class CompileWatch(L.Callback):
         built = compiled_graphs() - self._val_mark
         self.validation += built
         self._mark += built  # not the training step's
-        self._val_mark = None
-        if VALIDATION_TRACES:  # the next training forward is traced afresh
-            self._warm_up = True
+        self._val_mark, self._warm_up = None, True  # the next forward is traced afresh
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._mark is None or trainer.global_step == self._seen_step:
