@@ -252,6 +252,47 @@ def profile(bt, names=("GEMM floor (4 live)", "distill live forward_kl")):
     return "\n".join(lines)
 
 
+def host(bt, names, reps=5, top=25):
+    """Per method: the host's time to issue one call (the Python until fn() returns, the
+    device not waited for) against the call's whole time, then a cProfile of one call's
+    host side, by own time: where the launch overhead the device waits for comes from."""
+    import cProfile
+    import io
+    import pstats
+
+    x = make_inputs(bt)
+    leaves = [x["hs"], x["ws"]]
+    lines = [f"BT={bt}"]
+    for name in names:
+        fn, _ = methods(x, None)[name]
+        fn()
+        torch.cuda.synchronize()
+        issue, whole = [], []
+        for _ in range(reps):
+            clear_grads(leaves)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            issue.append(1e3 * (t1 - t0))
+            whole.append(1e3 * (time.perf_counter() - t0))
+        clear_grads(leaves)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        clear_grads(leaves)
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+        lines.append(f"{name}: host issue {statistics.median(issue):.2f} ms of "
+                     f"{statistics.median(whole):.2f} ms")
+        lines += ["   " + ln for ln in text.getvalue().splitlines() if ln.strip()][4:]
+    return "\n".join(lines)
+
+
 def _kernel_call(zs, zt, cached, kind):
     from distill.ops import divergence_triton
     from distill.ops.spec import DivergenceSpec
@@ -392,8 +433,11 @@ def main():
                    help="eager / compile build the full logits: skip them above this BT")
     p.add_argument("--breakdown", action="store_true", help="time GEMMs and kernels apart")
     p.add_argument("--tune", action="store_true", help="pick the row kernels' block sizes first")
+    p.add_argument("--host", action="store_true",
+                   help="host time to issue a call, and its cProfile (--only: full names)")
     p.add_argument("--profile", action="store_true",
-                   help="torch.profiler table of one distill live forward_kl step per BT")
+                   help="torch.profiler table of one step per BT: the live floor and forward "
+                        "KL, or the methods --only names in full")
     args = p.parse_args()
     env = environment()
     if args.tune:
@@ -402,9 +446,13 @@ def main():
 
     env["kernel_config"] = {k: list(v) for k, v in divergence_triton.CONFIG.items()}
     print(json.dumps(env))
+    if args.host:
+        for bt in args.bt:
+            print(host(bt, args.only or ["distill live forward_kl"]))
+        return
     if args.profile:
         for bt in args.bt:
-            print(profile(bt))
+            print(profile(bt, *([tuple(args.only)] if args.only else [])))
         return
     if args.breakdown:
         for bt in args.bt:

@@ -114,10 +114,13 @@ def _check_cached(ids, lps, vocab):
         _fail(f"K={ids.shape[1]} cached ids per position exceeds the vocabulary size {vocab}")
     if ids.dtype not in (torch.int32, torch.int64):
         _fail(f"target_ids must be int32 or int64, got {ids.dtype}")
-    if ids.numel() and bool(((ids < 0) | (ids >= vocab)).any()):
+    # -inf is a zero probability (a one-hot or masked teacher); NaN and +inf are not.
+    # Both flags come back in one transfer: one wait for the device, not two.
+    bad_ids, bad_lps = torch.stack([((ids < 0) | (ids >= vocab)).any(),
+                                    (torch.isnan(lps) | (lps == math.inf)).any()]).tolist()
+    if bad_ids:
         _fail(f"target_ids out of range [0, {vocab}): the cache was written with another "
               "tokenizer or vocabulary")
-    # -inf is a zero probability (a one-hot or masked teacher); NaN and +inf are not
-    if bool((torch.isnan(lps) | (lps == math.inf)).any()):
+    if bad_lps:
         _fail("target_logprobs has NaN or +inf values: the teacher cache is corrupt "
               "(rebuild it with distill-cache)")

@@ -153,11 +153,16 @@ def divergence_op(hs, ws, *, targets: Targets, labels, weights, spec: Divergence
     groups = ce_groups(spec, ce_rows, rows)
     with_ce = any(g.ce_weight for g, _ in groups) or parts is not None
     lab = labels[rows] if (labels is not None and with_ce) else None
+    ids, lps = _take(targets.ids, rows), _take(targets.logprobs, rows)
+    if ids is not None:
+        # torch.gather takes int64 ids; the Triton kernels read int32 or int64 rows of
+        # unit stride (no copy when every row trains and the rows are contiguous)
+        torch_rows = resolve_backend(hs.device, backend) == "torch"
+        ids, lps = (ids.long() if torch_rows else ids.contiguous()), lps.contiguous()
     sub = Targets(
         teacher_hidden=_take(targets.teacher_hidden, rows),
         teacher_weight=targets.teacher_weight, teacher_head=targets.teacher_head,
-        ids=targets.ids[rows].long() if targets.ids is not None else None,
-        logprobs=targets.logprobs[rows] if targets.logprobs is not None else None,
+        ids=ids, logprobs=lps,
     )
     opts = dict(chunk_size=chunk_size, fp32_weight_grad=fp32_weight_grad, backend=backend,
                 student_head=student_head, tuning=tuning)
