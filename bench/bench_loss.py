@@ -257,7 +257,6 @@ def host(bt, names, reps=5, top=25):
     device not waited for) against the call's whole time, then a cProfile of one call's
     host side, by own time: where the launch overhead the device waits for comes from."""
     import cProfile
-    import io
     import pstats
 
     x = make_inputs(bt)
@@ -285,11 +284,14 @@ def host(bt, names, reps=5, top=25):
         prof.disable()
         torch.cuda.synchronize()
         clear_grads(leaves)
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+        stats = pstats.Stats(prof).stats  # (file, line, fn) -> (cc, calls, own, cumulative, _)
         lines.append(f"{name}: host issue {statistics.median(issue):.2f} ms of "
-                     f"{statistics.median(whole):.2f} ms")
-        lines += ["   " + ln for ln in text.getvalue().splitlines() if ln.strip()][4:]
+                     f"{statistics.median(whole):.2f} ms; the profiled call's functions, "
+                     "by own time (us own / us cumulative / calls):")
+        for (file, line, fn), (_, calls, own, cum, _) in sorted(
+                stats.items(), key=lambda kv: -kv[1][2])[:top]:
+            lines.append(f"   {1e6 * own:8.1f} {1e6 * cum:8.1f} {calls:5d}  "
+                         f"{Path(file).name}:{line}({fn})")
     return "\n".join(lines)
 
 

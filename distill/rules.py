@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -148,7 +149,10 @@ def describe(key: str, value, allowed: str, where: str = "") -> str:
     return f"{key}={value!r}{where}: must be {allowed}"
 
 
+@functools.cache
 def _hints(cls) -> dict:
+    """A class's field types, resolved once (resolving string annotations compiles and
+    evaluates each one: 0.45 ms a DivergenceSpec, built on every loss call)."""
     return typing.get_type_hints(cls)
 
 
