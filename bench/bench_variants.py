@@ -9,6 +9,7 @@ the largest kernels (--ops).
 
     python bench/bench_variants.py --bt 4096 8192 --rounds 12
     python bench/bench_variants.py --bt 8192 --only default "fixup"   # the row fixups
+    python bench/bench_variants.py --bt 2048 4096 --only default --with-compile
 """
 
 from __future__ import annotations
@@ -69,11 +70,14 @@ def add_gemm_configs(configs):
                                              False)
 
 
-def run(bt, rounds, only):
+def run(bt, rounds, only, with_compile=False):
     x = bench_loss.make_inputs(bt)
     leaves = [x["hs"], x["ws"]]
     fns = {"GEMM floor (4 live)": lambda: bench_loss._gemm_floor(x, True),
            "GEMM floor (3 cached)": lambda: bench_loss._gemm_floor(x, False)}
+    if with_compile:  # the anchor the forward KL target names, in the same shuffled rounds
+        fns["torch.compile FKL (full logits)"] = lambda: bench_loss._compiled_fkl(
+            x["hs"], x["ws"], x["ht"], x["wt"]).backward()
     for name, (tuning, chunk, kind, cached) in VARIANTS.items():
         if not only or any(s in name for s in only):
             fns[name] = make_fn(x, tuning, chunk, kind, cached)
@@ -121,6 +125,8 @@ def main():
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--only", nargs="*")
     p.add_argument("--ops", action="store_true")
+    p.add_argument("--with-compile", action="store_true",
+                   help="also time bench_loss's torch.compile forward KL in the same rounds")
     p.add_argument("--gemm-config", nargs="*", default=[],
                    help="also time the default with these GEMM tile configs "
                         "(BM,BN,BK,warps,stages,tma)")
@@ -130,7 +136,7 @@ def main():
     add_gemm_configs(args.gemm_config)
     if args.ops:
         print(ops_table(args.bt[-1]))
-    rows = [r for bt in args.bt for r in run(bt, args.rounds, args.only)]
+    rows = [r for bt in args.bt for r in run(bt, args.rounds, args.only, args.with_compile)]
     (args.out / "variants.json").write_text(json.dumps(rows, indent=1))
     for r in rows:
         print(f"BT={r['bt']:6d} {r['name']:38s} {r['ms']:8.2f} ms {r['ratio']:6.3f}x "
