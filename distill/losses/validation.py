@@ -46,10 +46,7 @@ def check_inputs(hs, ws, ht, wt, ids, lps, labels, weights, spec, vocab_size, ig
                   f"{tuple(ids.shape)} and {tuple(lps.shape)}")
         tensors.update(target_ids=ids, target_logprobs=lps)
     vocab = _vocab(rows, vocab_size)
-    if cached:
-        _check_cached(ids, lps, vocab)
     if labels is not None:
-        _check_labels(labels, n, vocab, ignore_index)
         tensors["labels"] = labels
     elif spec.ce_weight or ce_rows is not None:
         _fail("ce_weight > 0 needs labels (the hard targets of the cross-entropy)")
@@ -58,9 +55,13 @@ def check_inputs(hs, ws, ht, wt, ids, lps, labels, weights, spec, vocab_size, ig
             if t.shape != (n,):
                 _fail(f"{name} must be a number or (N={n},), got {tuple(t.shape)}")
             tensors[name] = t
+    _same_device(tensors)  # before the checks of the values, which combine tensors
+    if cached:
+        _check_cached(ids, lps, vocab)
+    if labels is not None:
+        _check_labels(labels, n, vocab, ignore_index)
     if ce_rows is not None and bool((ce_rows < 0).any() | ~torch.isfinite(ce_rows).all()):
         _fail("per-position ce_weight values must be finite and >= 0")
-    _same_device(tensors)
     return vocab
 
 

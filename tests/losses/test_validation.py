@@ -65,3 +65,8 @@ def test_mismatched_devices():
     x = make_inputs(n=9, v=50)
     with pytest.raises(ValueError, match="one device"):
         _live(x, teacher_hidden=x["teacher_hidden"].cuda())
+    # cached targets: the device is named before their values are checked together
+    y = make_inputs(n=9, v=50, k=4)
+    with pytest.raises(ValueError, match="one device"):
+        linear_divergence(y["student_hidden"], y["student_weight"],
+                          target_ids=y["target_ids"].cuda(), target_logprobs=y["target_logprobs"])
