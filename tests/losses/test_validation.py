@@ -65,8 +65,18 @@ def test_mismatched_devices():
     x = make_inputs(n=9, v=50)
     with pytest.raises(ValueError, match="one device"):
         _live(x, teacher_hidden=x["teacher_hidden"].cuda())
-    # cached targets: the device is named before their values are checked together
+
+
+@pytest.mark.parametrize("elsewhere", ["meta", "cuda"])
+def test_cached_targets_on_two_devices_are_named_before_their_values(elsewhere):
+    """The cached checks combine the ids' and the log-probs' flags in one transfer; the
+    device mismatch is reported first, as itself (a meta tensor stands in for a second device
+    on the CPU: its values cannot be read at all)."""
+    if elsewhere == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
     y = make_inputs(n=9, v=50, k=4)
-    with pytest.raises(ValueError, match="one device"):
-        linear_divergence(y["student_hidden"], y["student_weight"],
-                          target_ids=y["target_ids"].cuda(), target_logprobs=y["target_logprobs"])
+    for moved in ("target_ids", "target_logprobs"):
+        targets = {k: y[k].to(elsewhere) if k == moved else y[k]
+                   for k in ("target_ids", "target_logprobs")}
+        with pytest.raises(ValueError, match="one device"):
+            linear_divergence(y["student_hidden"], y["student_weight"], **targets)
