@@ -123,7 +123,6 @@ def compiler_stance(stance: str):
     return set_stance(stance) if set_stance is not None else contextlib.nullcontext()
 
 
-
 def compiled_graphs() -> int | None:
     """Graphs torch.compile (dynamo) has built in this process so far; None where torch does
     not count them. distill.callbacks.CompileWatch reads it."""
