@@ -288,10 +288,10 @@ def host(bt, names, reps=5, top=25):
         lines.append(f"{name}: host issue {statistics.median(issue):.2f} ms of "
                      f"{statistics.median(whole):.2f} ms; the profiled call's functions, "
                      "by own time (us own / us cumulative / calls):")
-        for (file, line, fn), (_, calls, own, cum, _) in sorted(
+        for (file, line, func), (_, calls, own, cum, _) in sorted(
                 stats.items(), key=lambda kv: -kv[1][2])[:top]:
             lines.append(f"   {1e6 * own:8.1f} {1e6 * cum:8.1f} {calls:5d}  "
-                         f"{Path(file).name}:{line}({fn})")
+                         f"{Path(file).name}:{line}({func})")
     return "\n".join(lines)
 
 
