@@ -29,6 +29,7 @@ class StepTimer(L.Callback):
         self.widths: list[int] = []  # the widest micro-batch of each step (its padded length)
         self.val_s: list[float] = []  # each validation's wall time (the sanity check's too)
         self._step_tokens, self._step_width, self._last, self._seen_step = 0, 0, None, 0
+        self._at_step_end = False  # no batch has started since the last step's end
 
     def _sync(self) -> None:
         if torch.cuda.is_available():
@@ -38,9 +39,14 @@ class StepTimer(L.Callback):
         self._sync()
         self._last, self._seen_step = time.perf_counter(), trainer.global_step
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._at_step_end = False
+
     def on_validation_start(self, trainer, pl_module) -> None:
         self._sync()
-        self._val_t0 = time.perf_counter()
+        # right after a step: from that step's end, so that what Lightning does before this
+        # hook (the loop's set-up, the loader's iterator and its workers) is validation's
+        self._val_t0 = self._last if self._at_step_end else time.perf_counter()
 
     def on_validation_end(self, trainer, pl_module) -> None:
         self._sync()
@@ -62,6 +68,7 @@ class StepTimer(L.Callback):
         self.tokens.append(self._step_tokens)
         self.widths.append(self._step_width)
         self._last, self._step_tokens, self._step_width = now, 0, 0
+        self._at_step_end = True
         if len(self.ms) == self.warmup and torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
 

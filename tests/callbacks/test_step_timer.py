@@ -38,20 +38,32 @@ class _SlowValidation(_Tiny):
         time.sleep(0.2)
 
 
+class _SlowStart(list):
+    """Validation batches whose iterator takes 0.3 s to start (a loader starting its workers
+    or shuffling a large index does this before Lightning calls on_validation_start)."""
+
+    def __iter__(self):
+        time.sleep(0.3)
+        return super().__iter__()
+
+
 def test_step_timer_times_each_validation_apart_from_the_steps(tmp_path):
-    """Validation after steps 2 and 4 sleeps 0.2 s a batch (two batches): each is timed, and
-    no step's time holds it (the steps themselves take milliseconds)."""
+    """A sanity check, then validation after steps 2 and 4: 0.2 s a batch (two batches) and
+    0.3 s for the loader's iterator to start. Each validation is timed whole, the start
+    included, and no step's time holds any of it (the steps take milliseconds)."""
     batch = {"input_ids": torch.ones(2, 4, dtype=torch.long),
              "attention_mask": torch.ones(2, 4, dtype=torch.long)}
     timer = StepTimer(str(tmp_path / "timer.json"), warmup=0)
     trainer = L.Trainer(max_steps=4, val_check_interval=2, limit_val_batches=2,
-                        num_sanity_val_steps=0, accelerator="cpu", logger=False,
+                        num_sanity_val_steps=2, accelerator="cpu", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[timer])
     trainer.fit(_SlowValidation(), train_dataloaders=DataLoader([batch] * 4, batch_size=None),
-                val_dataloaders=DataLoader([batch] * 2, batch_size=None))
+                val_dataloaders=_SlowStart([batch] * 2))
     got = json.loads((tmp_path / "timer.json").read_text())
-    assert len(got["val_s"]) == 2 and all(0.4 <= s < 2.0 for s in got["val_s"]), got
+    sanity, *during = got["val_s"]
+    assert len(during) == 2 and all(0.7 <= s < 2.5 for s in during), got
+    assert 0.4 <= sanity < 2.5, got  # its loader start-up came before on_validation_start
     assert len(got["ms"]) == 4 and max(got["ms"]) < 200, got
 
 
