@@ -57,6 +57,12 @@ def run_cmd(cmd: list[str], log: Path, timeout: float, env=None) -> int:
             return 124
 
 
+def cache_dir(args, root: Path) -> Path:
+    """The teacher cache: one with a validation split when the runs validate (a cache must
+    hold every split a run reads), one without."""
+    return root / ("cache_val" if args.val_every else "cache")
+
+
 def overrides(args, root: Path, packing: bool, cached: bool) -> list[str]:
     pair = root / args.pair
     ov = ["+experiment=hf_sft", f"student.name_or_path={pair / 'student'}",
@@ -69,7 +75,7 @@ def overrides(args, root: Path, packing: bool, cached: bool) -> list[str]:
     else:
         ov += ["trainer=cpu", "student.dtype=float32", "teacher.dtype=float32"]
     if cached:
-        ov += ["teacher=cached", f"cache.dir={root / 'cache'}", "cache.top_k=64"]
+        ov += ["teacher=cached", f"cache.dir={cache_dir(args, root)}", "cache.top_k=64"]
     if args.onpolicy:
         ov += ONPOLICY
     if args.val_every:  # validation on the first val_batches batches of the train rows
@@ -249,7 +255,7 @@ def main(argv=None) -> int:
     for name in args.variants.split(","):
         packing, cached = VARIANTS[name]
         args.onpolicy = name == "onpolicy"
-        if cached and not (root / "cache" / "metadata.json").exists():
+        if cached and not (cache_dir(args, root) / "metadata.json").exists():
             cmd = [sys.executable, "-m", "distill.caching",
                    *overrides(args, root, packing, cached), f"paths.output_dir={root / 'c'}"]
             rc = run_cmd(cmd, args.out / "cache_job.log", args.timeout)
