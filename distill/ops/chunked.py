@@ -243,7 +243,7 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
     backend = resolve_backend(hs.device, backend)
     rows_fn = pick_rows_fn(backend)
     live = targets.teacher_hidden is not None
-    loss = torch.zeros((), dtype=torch.float32, device=hs.device)
+    loss = None  # the first chunk's sum starts it: no fill kernel before the first GEMM
     grad_h = grad_w = grad_b = None
     need_h, need_w, need_b = needs if need_grad else (False, False, False)
     need_b = need_b and student_head is not None and student_head.bias is not None
@@ -257,7 +257,7 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
     if need_b:
         grad_b = torch.zeros(vocab, dtype=torch.float32, device=ws.device)
     if n == 0:
-        return loss, (grad_h, grad_w, grad_b)
+        return torch.zeros((), dtype=torch.float32, device=hs.device), (grad_h, grad_w, grad_b)
     # Without a head transform the row kernel itself applies the token weights and writes
     # the gradient in the GEMMs' dtype (over the student logits, or into the fold buffer):
     # no (C, V) temporaries.
@@ -296,7 +296,8 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
             row_loss, dz = rows_fn(zs, zt, _take_rows(targets.ids, sl),
                                    _take_rows(targets.logprobs, sl), lab, spec, need_grad,
                                    **opts)
-            loss += row_loss @ w
+            part = (row_loss @ w).float()
+            loss = part if loss is None else loss.add_(part)
             if opts["ce_out"] is not None:
                 ce_sum += opts["ce_out"] @ w
             if not need_grad or dz_buf is not None:

@@ -22,9 +22,10 @@ class _LinearDivergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hs, ws, bias, rows, groups, targets, labels, weights, opts, parts):
-        every_row = len(rows) == len(hs)  # e.g. pretraining: no gather, no scatter
+        # e.g. pretraining: no gather, no scatter
+        every_row = rows is None or len(rows) == len(hs)
         needs = tuple(ctx.needs_input_grad[:3])
-        loss = torch.zeros((), dtype=torch.float32, device=hs.device)
+        loss = None
         grad_h = torch.zeros_like(hs) if needs[0] and not every_row else None
         grad_w = grad_b = None
         for spec, sel in groups:
@@ -33,9 +34,9 @@ class _LinearDivergence(torch.autograd.Function):
             l_g, (g_h, g_w, g_b) = fused_rows(part[0], ws, *part[1:], spec=spec,
                                               need_grad=True, needs=needs,
                                               ce_sum=_ce_sum(parts, spec), **opts)
-            loss += l_g
+            loss = l_g if loss is None else loss.add_(l_g)
             if g_h is not None:
-                at = rows if sel is None else rows[sel]
+                at = _index(rows, sel)
                 if every_row and sel is None:
                     grad_h = g_h
                 else:
@@ -44,6 +45,8 @@ class _LinearDivergence(torch.autograd.Function):
             grad_w = g_w if grad_w is None else grad_w.add_(g_w)
             if g_b is not None:
                 grad_b = g_b if grad_b is None else grad_b.add_(g_b)
+        if loss is None:  # no trained row carries a CE group
+            loss = torch.zeros((), dtype=torch.float32, device=hs.device)
         # Held as plain attributes (not saved tensors) and dropped in backward, so that the
         # returned gradients are the only references: autograd then takes them as .grad
         # instead of cloning a weight-sized tensor.
@@ -114,10 +117,9 @@ def _select(sel, hs, targets: Targets, labels, weights):
 
 
 def trained_rows(n: int, labels, weights, ignore_index: int, device):
-    """Indices of the rows that carry weight, and their weights (fp32)."""
-    if labels is None and weights is None:  # every row, the mean: no host sync
-        return (torch.arange(n, device=device),
-                torch.full((n,), 1.0 / max(n, 1), dtype=torch.float32, device=device))
+    """Indices of the rows that carry weight (None: every row), and their weights (fp32)."""
+    if labels is None and weights is None:  # every row, the mean: no host sync, no index
+        return None, torch.full((n,), 1.0 / max(n, 1), dtype=torch.float32, device=device)
     keep = torch.ones(n, dtype=torch.bool, device=device)
     if labels is not None:
         keep &= labels != ignore_index
@@ -135,7 +137,7 @@ def ce_groups(spec: DivergenceSpec, ce_rows, rows):
     `ce_rows` (N,): a CE weight per position (None: spec.ce_weight everywhere)."""
     if ce_rows is None:
         return [(spec, None)]
-    own = ce_rows[rows].float()
+    own = _take(ce_rows, rows).float()
     values = torch.unique(own).tolist()
     if len(values) == 1:
         return [(dataclasses.replace(spec, ce_weight=float(values[0])), None)]
@@ -173,12 +175,20 @@ def divergence_op(hs, ws, *, targets: Targets, labels, weights, spec: Divergence
         return _LinearDivergence.apply(hs, ws, bias, rows, groups, sub, lab, w, opts, parts)
     loss = torch.zeros((), dtype=torch.float32, device=hs.device)
     for g_spec, sel in groups:
-        part = _select(sel, hs[rows], sub, lab, w)
+        part = _select(sel, _take(hs, rows), sub, lab, w)
         loss += fused_rows(part[0], ws, *part[1:], spec=g_spec, need_grad=False,
                            ce_sum=_ce_sum(parts, g_spec), **opts)[0]
     return loss
 
 
-def _take(x: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
-    """x[rows], without the copy when every row is kept."""
-    return x if x is None or len(rows) == len(x) else x[rows]
+def _take(x: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+    """x[rows], without the copy when every row is kept (rows None or all of them)."""
+    return x if x is None or rows is None or len(rows) == len(x) else x[rows]
+
+
+def _index(rows: torch.Tensor | None, sel: torch.Tensor | None) -> torch.Tensor | None:
+    """The positions in the full batch of a CE group's rows (sel indexes the trained rows;
+    None: every row, every trained row)."""
+    if sel is None:
+        return rows
+    return sel if rows is None else rows[sel]

@@ -241,3 +241,33 @@ def test_a_plain_lm_head_reaches_the_chunk_loop_as_no_head(monkeypatch):
                           teacher_hidden=x["teacher_hidden"], teacher_weight=x["teacher_weight"],
                           labels=x["labels"], student_head=h, teacher_head=h)
     assert seen == [(None, None), (scaled, scaled)]
+
+
+def test_all_ignored_with_per_position_ce_weights_gives_zero():
+    # a (N,) CE weight tensor splits the trained rows into groups; with no trained row
+    # there is no group, and the loss is still a zero with zero gradients
+    x = make_inputs()
+    hs = x["student_hidden"].requires_grad_(True)
+    labels = torch.full_like(x["labels"], -100)
+    loss = linear_divergence(hs, x["student_weight"], teacher_hidden=x["teacher_hidden"],
+                             teacher_weight=x["teacher_weight"], labels=labels,
+                             ce_weight=torch.rand(len(labels)))
+    loss.backward()
+    assert loss.item() == 0.0 and (hs.grad == 0).all()
+
+
+def test_the_options_are_checked_on_every_call():
+    # the keywords' DivergenceSpec is built once per distinct set: a valid set seen before
+    # must not let an equal-comparing invalid one through (True == 1), nor a refusal be kept
+    x = make_inputs()
+    kw = dict(teacher_hidden=x["teacher_hidden"], teacher_weight=x["teacher_weight"],
+              labels=x["labels"], temperature=2.0)
+    linear_divergence(x["student_hidden"], x["student_weight"], temperature_squared=True,
+                      **kw)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="temperature_squared=1: must be true or false"):
+            linear_divergence(x["student_hidden"], x["student_weight"], temperature_squared=1,
+                              **kw)
+    with pytest.raises(ValueError, match="temperature"):
+        linear_divergence(x["student_hidden"], x["student_weight"],
+                          **{**kw, "temperature": torch.tensor(-1.0)})
