@@ -37,14 +37,17 @@ class Tuning:
     docs/notes/kernels.md): chunks folded per d weight GEMM (None: FOLD_GROUP), the Triton
     logits GEMM with the softmax-stats epilogue (live teacher), its tile config
     (BM, BN, BK, num_warps, num_stages, tma_store; None: logits_gemm.CONFIG), how the row
-    kernels find the largest logit they write last (spec.ROW_FIXUPS), and
-    their (BLOCK, num_warps) (None: divergence_triton.CONFIG)."""
+    kernels find the largest logit they write last (spec.ROW_FIXUPS),
+    their (BLOCK, num_warps) (None: divergence_triton.CONFIG), and whether the cached row
+    kernel loads each block one ahead (its two passes stream the row with little math per
+    byte: issued early, a load's latency hides under the math of the block before)."""
 
     fold_group: int | None = None
     stats_gemm: bool = True
     gemm_config: tuple[int, int, int, int, int, int] | None = None
     row_fixup: str = "lane"
     row_config: tuple[int, int] | None = None
+    prefetch: bool = True
 
     def __post_init__(self):
         if self.fold_group is not None and self.fold_group < 1:
@@ -288,7 +291,8 @@ def fused_rows(hs, ws, targets: Targets, labels, weights, spec, *, need_grad, ch
             if in_kernel:
                 opts.update(row_scale=w, grad_dtype=gdtype)
             if backend == "triton":
-                opts.update(row_fixup=tuning.row_fixup, row_config=tuning.row_config)
+                opts.update(row_fixup=tuning.row_fixup, row_config=tuning.row_config,
+                            prefetch=tuning.prefetch)
             if stats is not None:
                 opts["stats"] = stats
             if dz_buf is not None:

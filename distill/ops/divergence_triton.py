@@ -38,8 +38,10 @@ _KIND = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
 # "block" needed 100-128 at 4096 (2 programs; 188 for JSD with the CE: 1), 48-80 at 2048. The
 # cached kernel's measured 8192 is halved since the largest-logit bookkeeping (issue 10):
 # 121-127 registers at 4096 ("lane"; "block" 111-128), 2 programs per SM
-# (docs/notes/kernels.md, "Fourth session", has the table).
-CONFIG = {"live": (2048, 8), "sparse": (4096, 8)}
+# (docs/notes/kernels.md, "Fourth session", has the table). Since it loads each block one
+# ahead (Tuning.prefetch), 2048 is its fastest: 0.88 ms a 2048-row chunk against 0.92 at
+# 4096 (1.09 at 4096 without the prefetch; kernels.md, "Seventh session").
+CONFIG = {"live": (2048, 8), "sparse": (2048, 8)}
 # spec.ROW_FIXUPS, how the writing pass finds the largest logit: "lane" tests z == the
 # row's max (known from pass 1 or the tile stats) and keeps per-lane sums, reduced once per
 # row; "block" (the first version) takes three block reductions per block
@@ -292,7 +294,8 @@ def untempered_stats(spec: DivergenceSpec, labels, ce_out) -> bool:
 
 def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: DivergenceSpec,
                        need_grad, *, row_scale=None, grad_dtype=torch.float32, ce_out=None,
-                       stats=None, grad_out=None, row_fixup="lane", row_config=None):
+                       stats=None, grad_out=None, row_fixup="lane", row_config=None,
+                       prefetch=True):
     """Loss (C,) and d loss / d zs (C, V), as `divergence_torch.rows_loss_and_grad`.
 
     zs: (C, V) fp32 student logits, CONSUMED: the gradient is written over its memory
@@ -303,7 +306,8 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
     teacher only): the (student, teacher) tile statistics from
     `logits_gemm.logits_and_stats`, which replace the first pass. `grad_out`: a (C, V)
     tensor to write the gradient into instead of over zs. `row_fixup`: one of spec.ROW_FIXUPS;
-    `row_config`: (BLOCK, num_warps) instead of CONFIG's.
+    `row_config`: (BLOCK, num_warps) instead of CONFIG's. `prefetch`: the cached kernel
+    loads each block of a row while it works on the one before.
     """
     c, v = zs.shape
     check_row_fixup(row_fixup)
@@ -359,6 +363,6 @@ def rows_loss_and_grad(zs, zt, target_ids, target_logprobs, labels, spec: Diverg
             target_ids.stride(0), target_logprobs.stride(0), *scalars, TAIL_FLOOR,
             KIND=kind, RENORM=spec.sparse_mode == "renormalize", HAS_TAIL=k < v,
             BLOCK=min(block, triton.next_power_of_2(v)), BLOCK_K=triton.next_power_of_2(k),
-            num_warps=warps, **flags,
+            PREFETCH=prefetch, num_warps=warps, **flags,
         )
     return loss, dz if need_grad else None

@@ -77,7 +77,7 @@ def _sparse_fwd_kernel(
     KIND: tl.constexpr, RENORM: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_CE: tl.constexpr,
     CE_GRAD: tl.constexpr, CE_SEP: tl.constexpr, WRITE_CE: tl.constexpr, HAS_SCALE: tl.constexpr,
     NEED_GRAD: tl.constexpr, ALIAS: tl.constexpr, LANE: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     zs_row = zs_ptr + row * stride_s
@@ -102,9 +102,15 @@ def _sparse_fwd_kernel(
     tl.store(zs_row + ids, tl.zeros((BLOCK_K,), tl.float32) + ninf, mask=kmask)
     tl.debug_barrier()
     mt, rt, m1, r1 = zero + ninf, zero, zero + ninf, zero
+    if PREFETCH:  # each block's load is issued one block ahead, under the math of the last
+        ahead = tl.load(zs_row + offs, mask=offs < V, other=ninf)
     for i in range(0, nb):  # pass 1: the tail of softmax(zs / T) (and of softmax(zs))
         idx = i * BLOCK + offs
-        zs = tl.load(zs_row + idx, mask=idx < V, other=ninf)
+        if PREFETCH:
+            zs = ahead
+            ahead = tl.load(zs_row + idx + BLOCK, mask=idx + BLOCK < V, other=ninf)
+        else:
+            zs = tl.load(zs_row + idx, mask=idx < V, other=ninf)
         bm, br = _rest_of(zs, offs, inv_t)
         mt, rt = _fold_rest(mt, rt, bm, br, inv_t)
         if CE_SEP:
@@ -147,7 +153,7 @@ def _sparse_fwd_kernel(
     if NEED_GRAD:
         _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, label, mt,
                      lt, m1, l1, da_k, da_t, inv_t, factor * inv_t, ce_weight, CE_GRAD, HAS_SCALE,
-                     ALIAS, BLOCK, RENORM, LANE)
+                     ALIAS, BLOCK, RENORM, LANE, PREFETCH)
 
 
 @triton.jit
@@ -167,9 +173,12 @@ def _tail_grad(zs, idx, mask, label, label_in_k, mt_safe, lt, m1, l1, g_t, inv_t
 def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, label, mt, lt,
                  m1, l1, da_k, da_t, inv_t, gf, ce_weight, CE_GRAD: tl.constexpr,
                  HAS_SCALE: tl.constexpr, ALIAS: tl.constexpr, BLOCK: tl.constexpr,
-                 RENORM: tl.constexpr, LANE: tl.constexpr):
+                 RENORM: tl.constexpr, LANE: tl.constexpr, PREFETCH: tl.constexpr):
     """Write the gradient: the tail entries share da_t in proportion to their part of the
-    tail (pass 2, backwards), then the K ids, then the row's largest logit from the rest."""
+    tail (pass 2, backwards), then the K ids, then the row's largest logit from the rest.
+    With PREFETCH the block below is loaded while this one is written: the stores of a
+    block b land at or above entry b * BLOCK (in place at the same entries, or a 16-bit
+    gradient over the upper half of the fp32 row, ALIAS), never on a block below it."""
     offs = tl.arange(0, BLOCK)
     nb = (V + BLOCK - 1) // BLOCK
     ninf = float("-inf")
@@ -182,11 +191,18 @@ def _sparse_grad(zs_row, dz_row, dz_ptr, scale_ptr, row, V, ids, kmask, zk, labe
     rm, ri, rg, acc = zero + ninf, tl.zeros((), tl.int32), zero, zero
     acc_l = tl.zeros((BLOCK,), tl.float32)  # LANE: per-lane sums, the lanes' first hits
     first = tl.full((BLOCK,), -1, tl.int32)
+    if PREFETCH:
+        last = (nb - 1) * BLOCK + offs
+        ahead = tl.load(zs_row + last, mask=last < V, other=ninf)
     for i in range(0, nb):
         base = (nb - 1 - i) * BLOCK
         idx = base + offs
         mask = idx < V
-        zs = tl.load(zs_row + idx, mask=mask, other=ninf)  # -inf at the K ids
+        if PREFETCH:
+            zs = ahead  # -inf at the K ids
+            ahead = tl.load(zs_row + idx - BLOCK, mask=idx >= BLOCK, other=ninf)
+        else:
+            zs = tl.load(zs_row + idx, mask=mask, other=ninf)  # -inf at the K ids
         g = _tail_grad(zs, idx, mask, label, n_label_in_k, mt_safe, lt, m1, l1, gf * da_t,
                        inv_t, ce_weight, CE_GRAD)
         if LANE:

@@ -217,12 +217,14 @@ def test_a_gemm_config_is_checked():
 
 
 @pytest.mark.parametrize("row_fixup", ["lane", "block"])
-@pytest.mark.parametrize("target", ["live", "cached"])
-def test_each_row_fixup_at_its_own_block(triton_kernels, row_fixup, target):
+@pytest.mark.parametrize("target,prefetch", [("live", True), ("cached", True),
+                                             ("cached", False)])
+def test_each_row_fixup_at_its_own_block(triton_kernels, row_fixup, target, prefetch):
     """Tuning.row_fixup and row_config reach the row kernels: a 16-entry block (17 blocks a
-    row, the last partial) with each way of finding the largest logit."""
+    row, the last partial) with each way of finding the largest logit; the cached kernel
+    with and without its loads one block ahead."""
     x = make_inputs(**SMALL, k=None if target == "live" else 7)
-    _PATH["tuning"] = Tuning(row_fixup=row_fixup, row_config=(16, 4))
+    _PATH["tuning"] = Tuning(row_fixup=row_fixup, row_config=(16, 4), prefetch=prefetch)
     try:
         got, ref = run_both(x, _triton, grad_scale=0.5, kind="reverse_kl", ce_weight=0.3,
                             temperature=1.5, chunk_size=5)
