@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -252,9 +253,11 @@ def profile(bt, names=("GEMM floor (4 live)", "distill live forward_kl")):
     return "\n".join(lines)
 
 
-def host(bt, names, reps=5, top=25):
+def host(bt, names, reps=9, top=25):
     """Per method: the host's time to issue one call (the Python until fn() returns, the
-    device not waited for) against the call's whole time, then a cProfile of one call's
+    device not waited for) against the call's whole time; the call's device time (CUDA
+    events) started on an idle device and behind ~20 ms of queued work (where the host's
+    launches hide: the difference is what the host costs a call), then a cProfile of one call's
     host side, by own time: where the launch overhead the device waits for comes from."""
     import cProfile
     import pstats
@@ -266,7 +269,7 @@ def host(bt, names, reps=5, top=25):
         fn, _ = methods(x, None)[name]
         fn()
         torch.cuda.synchronize()
-        issue, whole = [], []
+        issue, whole, idle, busy = [], [], [], []
         for _ in range(reps):
             clear_grads(leaves)
             torch.cuda.synchronize()
@@ -276,6 +279,17 @@ def host(bt, names, reps=5, top=25):
             torch.cuda.synchronize()
             issue.append(1e3 * (t1 - t0))
             whole.append(1e3 * (time.perf_counter() - t0))
+            for behind, out in ((False, idle), (True, busy)):
+                clear_grads(leaves)
+                torch.cuda.synchronize()
+                if behind:  # the device spins while the host issues the call: no idle gaps
+                    torch.cuda._sleep(40_000_000)
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                out.append(start.elapsed_time(end))
         clear_grads(leaves)
         torch.cuda.synchronize()
         prof = cProfile.Profile()
@@ -286,12 +300,117 @@ def host(bt, names, reps=5, top=25):
         clear_grads(leaves)
         stats = pstats.Stats(prof).stats  # (file, line, fn) -> (cc, calls, own, cumulative, _)
         lines.append(f"{name}: host issue {statistics.median(issue):.2f} ms of "
-                     f"{statistics.median(whole):.2f} ms; the profiled call's functions, "
+                     f"{statistics.median(whole):.2f} ms; device time started idle "
+                     f"{statistics.median(idle):.3f} ms, started behind queued work "
+                     f"{statistics.median(busy):.3f} ms; the profiled call's functions, "
                      "by own time (us own / us cumulative / calls):")
         for (file, line, func), (_, calls, own, cum, _) in sorted(
                 stats.items(), key=lambda kv: -kv[1][2])[:top]:
             lines.append(f"   {1e6 * own:8.1f} {1e6 * cum:8.1f} {calls:5d}  "
                          f"{Path(file).name}:{line}({func})")
+    return "\n".join(lines)
+
+
+def timeline(bt, names, depth=24, min_us=8.0):
+    """Per method: one call's host and device on one clock (a torch.profiler trace with the
+    Python functions): each distill / Triton / autograd function of at least `min_us` up to
+    `depth` calls deep, each launch and each kernel, in ms from the call's start. Shows what
+    the host does before the first GEMM reaches the device, and where the device waits."""
+    import tempfile
+
+    x = make_inputs(bt)
+    leaves = [x["hs"], x["ws"]]
+    lines = [f"BT={bt}"]
+    keep = ("distill/", "triton/runtime", "triton/tools", "autograd", "bench_loss")
+    for name in names:
+        fn, _ = methods(x, None)[name]
+        for _ in range(2):
+            clear_grads(leaves)
+            fn()
+        clear_grads(leaves)
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts, with_stack=True) as prof:
+            torch.zeros(1, device="cuda")  # the profiler's first launch costs ~2 ms: not here
+            torch.cuda.synchronize()
+            with torch.profiler.record_function("timed call"):
+                fn()
+            torch.cuda.synchronize()
+        clear_grads(leaves)
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            events = [e for e in json.loads(Path(f.name).read_text())["traceEvents"]
+                      if e.get("ph") == "X" and "dur" in e]
+        call = next(e for e in events if e["name"] == "timed call"
+                    and e.get("cat") == "user_annotation")
+        t0, t1 = call["ts"], call["ts"] + call["dur"]
+        rows, stack = [], []
+        for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+            cat = e.get("cat", "")
+            if cat in ("kernel", "gpu_memset", "gpu_memcpy"):
+                rows.append((e["ts"], f"   GPU {e['dur'] / 1e3:7.3f}  {e['name'][:60]}"))
+                continue
+            if not t0 <= e["ts"] <= t1:
+                continue
+            if cat in ("cuda_runtime", "cuda_driver"):
+                if "aunch" in e["name"] or "Memcpy" in e["name"] or "ynchron" in e["name"]:
+                    rows.append((e["ts"], f"   cpu {e['dur'] / 1e3:7.3f}  "
+                                          f"{'  ' * len(stack)}<{e['name']}>"))
+                continue
+            if cat != "python_function":
+                continue
+            while stack and stack[-1] <= e["ts"]:
+                stack.pop()
+            level = len(stack)
+            stack.append(e["ts"] + e["dur"])
+            if level <= depth and e["dur"] >= min_us and any(k in e["name"] for k in keep):
+                label = re.sub(r".*site-packages/", "", e["name"])
+                label = re.sub(r".*/distill/", "distill/", label)
+                rows.append((e["ts"], f"   cpu {e['dur'] / 1e3:7.3f}  {'  ' * level}{label}"))
+        lines.append(f"{name}: call {(t1 - t0) / 1e3:.3f} ms on the host "
+                     "(ms from its start, duration, what)")
+        lines += [f"{(ts - t0) / 1e3:8.3f} {text}" for ts, text in sorted(rows)]
+    return "\n".join(lines)
+
+
+def sparse_kernel(rounds=15, rows=2048, configs=((4096, 8), (2048, 8))):
+    """The cached row kernel alone on one chunk of random logits, each (BLOCK, num_warps)
+    with and without its loads one block ahead, in shuffled rounds (the logits restored
+    before each call: the kernel writes its gradient over them)."""
+    import random
+
+    from distill.ops import divergence_triton
+    from distill.ops.spec import DivergenceSpec
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    z0 = torch.randn(rows, V, device="cuda", generator=g) * 3
+    ids = torch.randint(0, V, (rows, K), device="cuda", generator=g).int()
+    lps = (torch.log_softmax(torch.randn(rows, K, device="cuda", generator=g), -1)
+           - 0.1).to(DT)
+    zs, w = torch.empty_like(z0), torch.full((rows,), 1.0 / rows, device="cuda")
+    fns = {}
+    for kind in ("forward_kl", "reverse_kl"):
+        spec = DivergenceSpec(kind)
+        for prefetch in (True, False):
+            for cfg in configs:
+                fns[f"{kind} prefetch={prefetch} {cfg}"] = (
+                    lambda spec=spec, p=prefetch, cfg=cfg:
+                    divergence_triton.rows_loss_and_grad(
+                        zs, None, ids, lps, None, spec, True, row_scale=w, grad_dtype=DT,
+                        row_config=cfg, prefetch=p))
+    times = {name: [] for name in fns}
+    order = random.Random(0)
+    for _ in range(rounds + 1):  # the first round compiles
+        names = list(fns)
+        order.shuffle(names)
+        for name in names:
+            zs.copy_(z0)
+            times[name].append(_time(fns[name], reps=1, warm=False))
+    gb = rows * V * 10 / 1e9  # pass 1 reads 4 B a logit, pass 2 reads 4 and writes 2
+    lines = [f"cached row kernel, {rows} rows x V={V}, K={K}: median of {rounds} rounds"]
+    for name, t in times.items():
+        med = statistics.median(t[1:])
+        lines.append(f"   {name:40s} {med:7.3f} ms  {gb / med:5.2f} TB/s at 10 B/logit")
     return "\n".join(lines)
 
 
@@ -437,6 +556,11 @@ def main():
     p.add_argument("--tune", action="store_true", help="pick the row kernels' block sizes first")
     p.add_argument("--host", action="store_true",
                    help="host time to issue a call, and its cProfile (--only: full names)")
+    p.add_argument("--timeline", action="store_true",
+                   help="one call's host functions, launches and kernels on one clock "
+                        "(--only: full names)")
+    p.add_argument("--sparse-kernel", action="store_true",
+                   help="the cached row kernel alone: block sizes, with and without prefetch")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler table of one step per BT: the live floor and forward "
                         "KL, or the methods --only names in full")
@@ -451,6 +575,13 @@ def main():
     if args.host:
         for bt in args.bt:
             print(host(bt, args.only or ["distill live forward_kl"]))
+        return
+    if args.sparse_kernel:
+        print(sparse_kernel())
+        return
+    if args.timeline:
+        for bt in args.bt:
+            print(timeline(bt, args.only or ["distill live forward_kl"]))
         return
     if args.profile:
         for bt in args.bt:

@@ -48,6 +48,13 @@ VARIANTS = {
     "fixup block 4096x8, jsd": (BLOCK_FIXUP, None, "jsd", False),
     "cached, cuBLAS (default)": (DEFAULT, None, "forward_kl", True),
     "cached, fixup block": (Tuning(row_fixup="block"), None, "forward_kl", True),
+    "cached, no prefetch (before)": (Tuning(prefetch=False), None, "forward_kl", True),
+    "cached, 2048x8": (Tuning(row_config=(2048, 8)), None, "forward_kl", True),
+    "cached, no prefetch, 2048x8": (Tuning(prefetch=False, row_config=(2048, 8)), None,
+                                    "forward_kl", True),
+    "cached, 8192x16": (Tuning(row_config=(8192, 16)), None, "forward_kl", True),
+    "cached, reverse_kl": (DEFAULT, None, "reverse_kl", True),
+    "cached, no prefetch, reverse_kl": (Tuning(prefetch=False), None, "reverse_kl", True),
 }
 
 
