@@ -4,7 +4,8 @@ The interpreter runs the kernels' math but not their lowering: a loop-carried va
 changes type, a scalar store with a mask, a reduction with indices can pass there and fail
 to compile for the GPU. Triton's wheel ships ptxas, so compiling to a cubin needs no
 device. Runs in a subprocess: this suite sets TRITON_INTERPRET=1 for everything else.
-Both row fixups (distill.ops.spec.ROW_FIXUPS), each at its default live block.
+Both row fixups (distill.ops.spec.ROW_FIXUPS), each at its default live block; the cached
+kernel with its prefetch at its default block, and without it at 4096.
 """
 
 import json
@@ -41,7 +42,8 @@ SCRIPT = textwrap.dedent("""
         flags = dict(KIND=kind, HAS_CE=ce, CE_GRAD=ce, CE_SEP=ce, WRITE_CE=ce,
                      HAS_SCALE=True, NEED_GRAD=True, ALIAS=ce, LANE=lane)
         build(sparse_triton._sparse_fwd_kernel, dict(SPARSE, dz_ptr="*bf16" if ce else "*fp32"),
-              dict(flags, RENORM=kind == 1, HAS_TAIL=True, BLOCK=4096, BLOCK_K=64))
+              dict(flags, RENORM=kind == 1, HAS_TAIL=True, BLOCK_K=64, PREFETCH=lane,
+                   BLOCK=divergence_triton.CONFIG["sparse"][0] if lane else 4096))
         build(divergence_triton._live_fwd_kernel, dict(LIVE, dz_ptr="*bf16" if ce else "*fp32"),
               dict(flags, STATS=ce, BLOCK=2048 if lane else 4096, BLOCK_T=512))
         done.append([kind, ce, lane])
