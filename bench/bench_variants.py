@@ -32,6 +32,7 @@ from distill.ops.chunked import Tuning  # noqa: E402
 DEFAULT = Tuning()
 # the row kernels before the lane fixup: three block reductions per block, BLOCK 4096
 BLOCK_FIXUP = Tuning(row_fixup="block", row_config=(4096, 8))
+BEFORE_PREFETCH = Tuning(prefetch=False, row_config=(4096, 8))
 # name -> (tuning, chunk_size or None, kind, cached?)
 VARIANTS = {
     "default": (DEFAULT, None, "forward_kl", False),
@@ -48,13 +49,14 @@ VARIANTS = {
     "fixup block 4096x8, jsd": (BLOCK_FIXUP, None, "jsd", False),
     "cached, cuBLAS (default)": (DEFAULT, None, "forward_kl", True),
     "cached, fixup block": (Tuning(row_fixup="block"), None, "forward_kl", True),
-    "cached, no prefetch (before)": (Tuning(prefetch=False), None, "forward_kl", True),
-    "cached, 2048x8": (Tuning(row_config=(2048, 8)), None, "forward_kl", True),
-    "cached, no prefetch, 2048x8": (Tuning(prefetch=False, row_config=(2048, 8)), None,
-                                    "forward_kl", True),
+    # the cached kernel's default is 2048 x 8 with the prefetch (4a7e6e1); before, 4096 x 8
+    "cached, no prefetch, 4096x8 (before)": (BEFORE_PREFETCH, None, "forward_kl", True),
+    "cached, prefetch 4096x8": (Tuning(row_config=(4096, 8)), None, "forward_kl", True),
+    "cached, no prefetch, 2048x8": (Tuning(prefetch=False), None, "forward_kl", True),
     "cached, 8192x16": (Tuning(row_config=(8192, 16)), None, "forward_kl", True),
     "cached, reverse_kl": (DEFAULT, None, "reverse_kl", True),
-    "cached, no prefetch, reverse_kl": (Tuning(prefetch=False), None, "reverse_kl", True),
+    "cached, no prefetch, 4096x8 (before), reverse_kl": (BEFORE_PREFETCH, None, "reverse_kl",
+                                                         True),
 }
 
 

@@ -56,6 +56,8 @@ class Tuning:
             raise ValueError(f"gemm_config={self.gemm_config!r}: give six integers, "
                              "BM, BN, BK, num_warps, num_stages, tma_store")
         check_row_fixup(self.row_fixup)
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"prefetch={self.prefetch!r}: give True or False")
         if self.row_config is not None and (
                 len(self.row_config) != 2 or self.row_config[0] < 16
                 or self.row_config[0] & (self.row_config[0] - 1)

@@ -214,6 +214,41 @@ def test_a_gemm_config_is_checked():
     for bad in ((0, 8), (8, 4), (64, 3), (64, 64)):
         with pytest.raises(ValueError, match="BLOCK a power of two >= 16, num_warps"):
             Tuning(row_config=bad)
+    with pytest.raises(ValueError, match="prefetch=1: give True or False"):
+        Tuning(prefetch=1)
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
+def test_the_cached_prefetch_writes_the_same_16_bit_gradient_over_the_logits(
+        triton_kernels, kind):
+    """The cached kernel's bf16 gradient written over the fp32 logits (the op's default on
+    CUDA) is the same with and without its loads one block ahead: 16-entry blocks, a row of
+    257 (17 blocks, the last partial), K ids at the row's two ends and inside, a label."""
+    from distill.ops.spec import DivergenceSpec
+
+    g = torch.Generator().manual_seed(3)
+    c, v, k = 6, 257, 5
+    z = (torch.randn(c, v, generator=g) * 4).to(DEVICE)
+    ids = torch.stack([torch.cat([torch.tensor([0, v - 1]), torch.randperm(v - 2, generator=g)
+                                  [:k - 2] + 1]) for _ in range(c)]).to(DEVICE)
+    lps = torch.log_softmax(torch.randn(c, k, generator=g), -1).sub(0.2).to(DEVICE)
+    labels = torch.randint(0, v, (c,), generator=g).to(DEVICE)
+    spec = DivergenceSpec(kind, ce_weight=0.3)
+    w = torch.rand(c, generator=g).to(DEVICE)
+    out = {}
+    for prefetch in (True, False):
+        zs = z.clone()
+        loss, dz = triton_kernels.rows_loss_and_grad(
+            zs, None, ids, lps, labels, spec, True, row_scale=w, grad_dtype=torch.bfloat16,
+            row_config=(16, 4), prefetch=prefetch)
+        assert dz.dtype == torch.bfloat16 and dz.untyped_storage().data_ptr() == (
+            zs.untyped_storage().data_ptr())  # written over the logits
+        out[prefetch] = (loss, dz.float())
+    assert torch.equal(out[True][0], out[False][0])
+    assert torch.equal(out[True][1], out[False][1])
+    # and right: each row of d loss / d logits sums to zero, the K ids' entries are set
+    assert out[True][1].sum(-1).abs().max() < 1e-2
+    assert (out[True][1].gather(1, ids) != 0).all()
 
 
 @pytest.mark.parametrize("row_fixup", ["lane", "block"])
