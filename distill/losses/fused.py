@@ -99,10 +99,10 @@ def linear_divergence(
     """
     ce_rows = ce_weight if isinstance(ce_weight, torch.Tensor) else None
     if spec is None:
-        spec = _spec(kind=kind, beta=beta, temperature=temperature,
-                     temperature_squared=temperature_squared,
-                     ce_weight=0.0 if ce_rows is not None else float(ce_weight),
-                     divergence_weight=divergence_weight, sparse_mode=sparse_mode)
+        spec = DivergenceSpec(kind=kind, beta=beta, temperature=temperature,
+                              temperature_squared=temperature_squared,
+                              ce_weight=0.0 if ce_rows is not None else float(ce_weight),
+                              divergence_weight=divergence_weight, sparse_mode=sparse_mode)
     elif ce_rows is None and ce_weight:
         raise ValueError("give ce_weight in the spec, or as a (N,) tensor beside it")
     vocab = check_inputs(student_hidden, student_weight, teacher_hidden, teacher_weight,
@@ -148,22 +148,6 @@ def linear_cross_entropy(
                             ignore_index=ignore_index,
                             head=op_head(head, vocab),
                             chunk_size=chunk_size, fp32_weight_grad=fp32_weight_grad)
-
-
-def _spec(**options) -> DivergenceSpec:
-    """The DivergenceSpec of these keywords, checked once per distinct set: a training loop
-    calls with the same options every step, and the checks cost the host more than the
-    launches before the first GEMM (an invalid set raises every time: errors are not kept)."""
-    try:
-        hash(tuple(options.values()))
-    except TypeError:  # e.g. a list for kind: checked (and refused) as given
-        return DivergenceSpec(**options)
-    return _checked_spec(**options)
-
-
-@functools.lru_cache(maxsize=64, typed=True)  # 1, 1.0 and True stay apart
-def _checked_spec(**options) -> DivergenceSpec:
-    return DivergenceSpec(**options)
 
 
 def _rows(x: torch.Tensor | None, vocab: int) -> torch.Tensor | None:

@@ -257,8 +257,8 @@ def test_all_ignored_with_per_position_ce_weights_gives_zero():
 
 
 def test_the_options_are_checked_on_every_call():
-    # the keywords' DivergenceSpec is built once per distinct set: a valid set seen before
-    # must not let an equal-comparing invalid one through (True == 1), nor a refusal be kept
+    # a valid set of options seen before must not let an equal-comparing invalid one
+    # through (True == 1), nor a refusal be kept (were the options ever cached)
     x = make_inputs()
     kw = dict(teacher_hidden=x["teacher_hidden"], teacher_weight=x["teacher_weight"],
               labels=x["labels"], temperature=2.0)
