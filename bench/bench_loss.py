@@ -180,8 +180,9 @@ def _load_liger():
     return LigerFusedLinearJSD, LigerFusedLinearKLDivLoss
 
 
-def _time(fn, reps=10, before=None, warm=True):
-    """Median ms of `fn` over `reps` runs, CUDA events; `before` runs untimed each time."""
+def _time(fn, reps=10, before=None, warm=True, lead=None):
+    """Median ms of `fn` over `reps` runs, CUDA events; `before` runs untimed each time, and
+    `lead` (work queued on the device, not waited for) right before the start event."""
     if warm:
         fn()
         torch.cuda.synchronize()
@@ -189,6 +190,8 @@ def _time(fn, reps=10, before=None, warm=True):
     for _ in range(reps):
         if before is not None:
             before()
+        if lead is not None:
+            lead()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

@@ -10,6 +10,14 @@ the largest kernels (--ops).
     python bench/bench_variants.py --bt 4096 8192 --rounds 12
     python bench/bench_variants.py --bt 8192 --only default "fixup"   # the row fixups
     python bench/bench_variants.py --bt 2048 4096 --only default --with-compile
+    python bench/bench_variants.py --bt 2048 16384 --only default --with-compile --lead-ms 30
+
+By default each call starts on an idle device (synchronized after the last): the host's
+launches and the clocks of a card that just idled are in its time. With --lead-ms every call
+is queued behind that many ms of bf16 GEMMs instead, as a training step's loss follows the
+models' kernels: the host's launches hide under them, and the card is under full load when
+the call starts (a low-power spin ahead, `bench_loss.py --host`, leaves the card rested: even
+the bare floor ran 9-12% faster after one; docs/notes/kernels.md, "Eighth session").
 """
 
 from __future__ import annotations
@@ -79,8 +87,26 @@ def add_gemm_configs(configs):
                                              False)
 
 
-def run(bt, rounds, only, with_compile=False):
+def full_power_lead(ms: float, n: int = 8192):
+    """A callable that queues ~`ms` of bf16 (n x n) @ (n x n) GEMMs on the device (none when
+    ms <= 0), their count set from one timed GEMM."""
+    if ms <= 0:
+        return None
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    one = bench_loss._time(lambda: torch.mm(a, a, out=out), reps=5)
+    count = max(1, round(ms / one))
+
+    def lead():
+        for _ in range(count):
+            torch.mm(a, a, out=out)
+
+    return lead
+
+
+def run(bt, rounds, only, with_compile=False, lead_ms=0.0):
     x = bench_loss.make_inputs(bt)
+    lead = full_power_lead(lead_ms)
     leaves = [x["hs"], x["ws"]]
     fns = {"GEMM floor (4 live)": lambda: bench_loss._gemm_floor(x, True),
            "GEMM floor (3 cached)": lambda: bench_loss._gemm_floor(x, False)}
@@ -101,7 +127,8 @@ def run(bt, rounds, only, with_compile=False):
         order.shuffle(names)
         for name in names:
             times[name].append(bench_loss._time(
-                fns[name], reps=1, before=lambda: bench_loss.clear_grads(leaves), warm=False))
+                fns[name], reps=1, before=lambda: bench_loss.clear_grads(leaves), warm=False,
+                lead=lead))
     med = {k: statistics.median(v) for k, v in times.items()}
     rows = []
     for name in fns:
@@ -136,6 +163,9 @@ def main():
     p.add_argument("--ops", action="store_true")
     p.add_argument("--with-compile", action="store_true",
                    help="also time bench_loss's torch.compile forward KL in the same rounds")
+    p.add_argument("--lead-ms", type=float, default=0.0,
+                   help="queue this many ms of full-power bf16 GEMMs before each timed call "
+                        "(0: start each call on an idle device)")
     p.add_argument("--gemm-config", nargs="*", default=[],
                    help="also time the default with these GEMM tile configs "
                         "(BM,BN,BK,warps,stages,tma)")
@@ -145,7 +175,8 @@ def main():
     add_gemm_configs(args.gemm_config)
     if args.ops:
         print(ops_table(args.bt[-1]))
-    rows = [r for bt in args.bt for r in run(bt, args.rounds, args.only, args.with_compile)]
+    rows = [r for bt in args.bt
+            for r in run(bt, args.rounds, args.only, args.with_compile, args.lead_ms)]
     (args.out / "variants.json").write_text(json.dumps(rows, indent=1))
     for r in rows:
         print(f"BT={r['bt']:6d} {r['name']:38s} {r['ms']:8.2f} ms {r['ratio']:6.3f}x "
