@@ -17,7 +17,7 @@ launches and the clocks of a card that just idled are in its time. With --lead-m
 is queued behind that many ms of bf16 GEMMs instead, as a training step's loss follows the
 models' kernels: the host's launches hide under them, and the card is under full load when
 the call starts (a low-power spin ahead, `bench_loss.py --host`, leaves the card rested: even
-the bare floor ran 9-12% faster after one; docs/notes/kernels.md, "Eighth session").
+the bare floor took 8-12% less time after one; docs/notes/kernels.md, "Eighth session").
 """
 
 from __future__ import annotations
