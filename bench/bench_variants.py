@@ -45,6 +45,11 @@ BEFORE_PREFETCH = Tuning(prefetch=False, row_config=(4096, 8))
 VARIANTS = {
     "default": (DEFAULT, None, "forward_kl", False),
     "fold 3 x 640": (Tuning(fold_group=3), 640, "forward_kl", False),
+    # chunk sizes: 640 is what choose_chunk_size gives at V = 128256 (the default's path);
+    # 512 folds 1024 rows per d hidden GEMM: 8 x 16 tiles of 128 x 256 at H = 4096, one wave
+    # on 132 SMs, where 1280 rows make 160 tiles (two waves, the second a fifth full)
+    "chunk 640 (the default's size)": (DEFAULT, 640, "forward_kl", False),
+    "chunk 512 (1024 rows a fold)": (DEFAULT, 512, "forward_kl", False),
     "default again (same path: the noise)": (DEFAULT, None, "forward_kl", False),
     "GEMM 3 stages": (Tuning(gemm_config=(128, 256, 64, 8, 3, 0)), None, "forward_kl", False),
     "fixup block 4096x8 (previous default)": (BLOCK_FIXUP, None, "forward_kl", False),
