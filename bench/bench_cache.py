@@ -44,7 +44,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from distill.cache import CacheJob, CacheSettings
 from distill.cache.topk import topk_logprobs
 from distill.data import PadCollator
-from distill.models import final_hidden_states
+from distill.models.causal_lm import final_hidden_states
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_train_steps import LLAMA, QWEN, TINY  # noqa: E402
 from distill.losses import linear_divergence  # noqa: E402
-from distill.models import final_hidden_states, lm_head  # noqa: E402
+from distill.models.causal_lm import final_hidden_states, lm_head  # noqa: E402
 from distill.xtok.loss import cross_tokenizer_divergence  # noqa: E402
 from distill.xtok.op import chunk_sizes  # noqa: E402
 from distill.xtok.vocab import VocabMap  # noqa: E402

@@ -4,9 +4,9 @@ the same levers, each combination in a process of its own.
     python bench/bench_levers.py --out $OUT/levers               # GPU: the llama pair
     python bench/bench_levers.py --tiny --out /tmp/levers        # CPU: the code path, tiny
 
-The levers (distill/levers.py): gradient checkpointing of the student, torch.compile of each
+The levers (distill/models/levers.py): gradient checkpointing of the student, torch.compile of each
 decoder layer of both models, Liger's RMSNorm / SwiGLU / RoPE in both. compile with Liger is
-refused before anything loads (distill.config says why), so it is listed, not timed. Each
+refused before anything loads (distill.run.config says why), so it is listed, not timed. Each
 combination builds the pair in memory at real shapes (bench/bench_train_steps.py: random
 weights, fp32 student under bf16 autocast, bf16 teacher), applies the levers as a run does
 (`apply_levers`), then times the teacher forward alone and distill's whole step (objective,
@@ -38,7 +38,7 @@ COMBOS = {
     "liger": {"liger": True},
     "liger + checkpointing": {"liger": True, "gradient_checkpointing": True},
 }
-REFUSED = {"compile + liger": "refused before loading (distill.config: speed.compile=true "
+REFUSED = {"compile + liger": "refused before loading (distill.run.config: speed.compile=true "
                               "with speed.liger=true)"}
 
 
@@ -49,7 +49,7 @@ def setup(args, speed: dict, cuda: bool):
     import torch
     from bench_train_steps import build, make_batch, make_module
 
-    from distill.levers import Speed, apply_levers
+    from distill.models.levers import Speed, apply_levers
 
     run = SimpleNamespace(args=args, device=torch.device("cuda" if cuda else "cpu"), cuda=cuda)
     student, teacher = build(args.pair, run)

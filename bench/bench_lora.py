@@ -41,10 +41,10 @@ from bench_train_steps import LLAMA  # noqa: E402  (the same real-shaped pair)
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from distill.callbacks import StepTokenCounter, TokenThroughput
-from distill.lora import LoraConfig, apply_lora
-from distill.module import DistillModule
-from distill.teachers import LiveTeacher
+from distill.models.lora import LoraConfig, apply_lora
+from distill.training.callbacks import StepTokenCounter, TokenThroughput
+from distill.training.module import DistillModule
+from distill.training.teachers import LiveTeacher
 
 SHAPES = {  # (student, teacher) LlamaConfig arguments: the training-step benchmark's pairs
     "real": (LLAMA["student"], LLAMA["teacher"]),

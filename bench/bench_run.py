@@ -8,7 +8,7 @@ the caching job writes first), two measurements, each in a subprocess of its own
 other's memory is gone:
 - the run: `python -m distill.train +experiment=hf_sft trainer=gpu ...` on saved
   random-weight models at real shapes (bench/make_real_shape_models.py), with the
-  StepTimer callback (distill/callbacks/step_timer.py): each optimizer step's time,
+  StepTimer callback (bench/step_timer.py): each optimizer step's time,
   device-synchronized at both ends, tokens, and the allocator's peak after the warm-up;
 - the step: the same models' shapes built in memory, the same batches (the run's own
   DistillDataModule and collate), the same levers, DistillModule's objective + backward +
@@ -94,7 +94,7 @@ def cli_run(args, root, name, packing, cached) -> dict:
            f"trainer.val_check_interval={args.val_every or args.steps}",
            "callbacks.checkpoint=null",
            "callbacks.export=null", "trainer.log_every_n_steps=5",
-           f"+callbacks.timer={{_target_:distill.callbacks.step_timer.StepTimer,"
+           f"+callbacks.timer={{_target_:bench.step_timer.StepTimer,"
            f"path:'{timer}',warmup:{args.warmup}}}"]
     if args.gaps:  # the run's gap profile, of the steps the step bench profiles too
         cmd.append(f"+callbacks.gaps={{_target_:bench.gaps.GapProfile,"
@@ -129,11 +129,11 @@ def step_bench(args, root: Path, name: str, packing: bool, cached: bool) -> dict
     from hydra import compose, initialize_config_module
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from distill.config import parse
     from distill.data import DistillDataModule
-    from distill.levers import apply_levers
-    from distill.models import load_tokenizer
-    from distill.teachers import CachedTeacher, LiveTeacher
+    from distill.models.causal_lm import load_tokenizer
+    from distill.models.levers import apply_levers
+    from distill.run.config import parse
+    from distill.training.teachers import CachedTeacher, LiveTeacher
 
     with initialize_config_module("distill.conf", version_base="1.3"):
         cfg = compose("train", overrides=overrides(args, root, packing, cached)
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
         packing, cached = VARIANTS[name]
         args.onpolicy = name == "onpolicy"
         if cached and not (cache_dir(args, root) / "metadata.json").exists():
-            cmd = [sys.executable, "-m", "distill.caching",
+            cmd = [sys.executable, "-m", "distill.run.cache",
                    *overrides(args, root, packing, cached), f"paths.output_dir={root / 'c'}"]
             rc = run_cmd(cmd, args.out / "cache_job.log", args.timeout)
             if rc:

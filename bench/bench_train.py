@@ -10,7 +10,7 @@ gradient clipping at norm 1, AdamW step, zero_grad. Rows, side by side in one ru
 the teacher forward alone (the floor), the plain HF way (both models' full logits + torch
 forward KL), distill's step (fused forward KL), distill's step on cached top-64 targets
 (tensors already on the GPU, then from a DataLoader that prefetches them in workers), and
-each lever (distill/levers.py) on distill's step. Reports median step time (CUDA events),
+each lever (distill/models/levers.py) on distill's step. Reports median step time (CUDA events),
 tokens/s, MFU, peak memory, and the largest micro-batch that fits (a bounded search).
 
 MFU counts 6 N_student + 2 N_teacher FLOPs per token (N: the parameters in matrix products,
@@ -47,7 +47,7 @@ from bench_train_steps import (  # noqa: E402  (models, batches and the step kin
     top_k_targets,
 )
 
-from distill.levers import Speed, apply_levers, decoder_layers  # noqa: E402
+from distill.models.levers import Speed, apply_levers, decoder_layers  # noqa: E402
 
 PEAK_TFLOPS = 989.4  # H200 SXM dense bf16, datasheet
 GIB = 1 << 30

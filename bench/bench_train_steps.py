@@ -12,10 +12,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from distill.module import DistillModule
-from distill.normalization import batch_masks, local_step_counts, token_weights
-from distill.optim import adamw
-from distill.teachers import LiveTeacher
+from distill.data.masks import batch_masks, local_step_counts
+from distill.training.module import DistillModule
+from distill.training.normalization import token_weights
+from distill.training.optim import adamw
+from distill.training.teachers import LiveTeacher
 
 K_CACHED = 64
 LLAMA = dict(student=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,

@@ -228,7 +228,7 @@ def check_no_recapture_after_warmup():
 
 
 def check_lora_fp32_equals_hf():
-    from distill.lora import LoraConfig, apply_lora
+    from distill.models.lora import LoraConfig, apply_lora
 
     model = apply_lora(small("llama", DEVICE), LoraConfig(**{"r": 8})).train()
     with torch.no_grad():

@@ -23,10 +23,10 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import distill.train  # noqa: F401  (registers the distill_demo resolver)
-from distill.callbacks import StepTokenCounter
-from distill.models import load_tokenizer
-from distill.module import DistillModule
-from distill.normalization import POLICIES
+from distill.models.causal_lm import load_tokenizer
+from distill.training.callbacks import StepTokenCounter
+from distill.training.module import DistillModule
+from distill.training.normalization import POLICIES
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -163,7 +163,7 @@ def _attention(q, k, v, backend, train: bool) -> None:
 
 def optimizer_ab(student, reps: int) -> list[dict]:
     """clip_grad_norm_ + AdamW step on the student's fp32 parameters: foreach vs fused."""
-    from distill.optim import adamw
+    from distill.training.optim import adamw
 
     params = [p for p in student.parameters() if p.requires_grad]
     for p in params:
@@ -256,7 +256,7 @@ def step_profile(args, cuda: bool) -> dict:
     run, student, teacher, module, batch, applied = setup(args, speed, cuda)
     res = {"applied": applied}
     if args.foreach_adamw:
-        from distill.optim import adamw
+        from distill.training.optim import adamw
         params = [p for p in student.parameters() if p.requires_grad]
         module.optimizer = adamw(params, lr=1e-5, weight_decay=0.01, fused=False)
     ctx = nullcontext

@@ -14,7 +14,7 @@ from pathlib import Path
 if importlib.util.find_spec("distill") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout, not installed
 
-from distill.caching import main  # noqa: E402
+from distill.run.cache import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

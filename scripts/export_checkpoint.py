@@ -1,9 +1,9 @@
 """`distill-export` from a checkout: python scripts/export_checkpoint.py <checkpoint> [...].
 
-The command itself lives in distill/export.py (installed as `distill-export`).
+The command itself lives in distill/run/export.py (installed as `distill-export`).
 """
 
-from distill.export import export, main  # noqa: F401  (tests import export from here)
+from distill.run.export import export, main  # noqa: F401  (tests import export from here)
 
 if __name__ == "__main__":
     main()

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "distill" / "demo_assets" / "data"
+DATA = ROOT / "distill" / "demo" / "assets" / "data"
 
 
 def demo_assets_script():

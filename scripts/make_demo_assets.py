@@ -1,10 +1,10 @@
 """Build the bundled demo: checkable chat tasks, a CPT corpus, a tokenizer, a trained teacher.
 
-    python scripts/make_demo_assets.py [--out distill/demo_assets] [--seed 0]
+    python scripts/make_demo_assets.py [--out distill/demo/assets] [--seed 0]
 
 Everything is generated here (no downloads) and is deterministic given the seed. The tasks
 (addition, string reversal, sorting, permutation) have checkable answers, so a distilled
-student can be scored exactly (`distill.evaluation.task_accuracy`): exact match, or for the
+student can be scored exactly (`distill.demo.evaluation.task_accuracy`): exact match, or for the
 permutation task any ordering of the prompt's letters. The tokenizer is character level:
 digits and letters are single tokens, which is what lets a model of a couple of million
 parameters learn carries and reversals in minutes. The permutation task's data comes from
@@ -38,7 +38,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from distill.evaluation import task_accuracy
+from distill.demo.evaluation import task_accuracy
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 
@@ -132,7 +132,7 @@ TASKS = {"addition": addition, "reversal": reversal, "sorting": sorting}
 # (docs/notes/demo.md says why); the earlier one used reversal and sorting, the
 # tasks a 2-layer student learns in minutes (addition's carries stay out of its reach).
 DEMO_TASKS = ("permutation",)
-# how an answer is scored (distill.evaluation): "permutation" accepts any ordering
+# how an answer is scored (distill.demo.evaluation): "permutation" accepts any ordering
 MATCH = {"permutation": "permutation"}
 
 
@@ -401,7 +401,7 @@ def train_teacher(model, rows, args, tokenizer, val: list[dict]) -> float:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="distill/demo_assets")
+    p.add_argument("--out", default="distill/demo/assets")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n-train", type=int, default=30000)
     p.add_argument("--n-eval", type=int, default=201, help="size of val and of test")

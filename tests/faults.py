@@ -75,8 +75,8 @@ def train_with_a_save_that_hangs(hang_at: int = 2) -> None:
     import sys
     import time
 
-    import distill.checkpoint_io as cio
-    import distill.train
+    import distill.core.checkpoint_io as cio
+    import distill.run.train
 
     real, calls = cio.torch.save, []
 
@@ -95,4 +95,4 @@ def train_with_a_save_that_hangs(hang_at: int = 2) -> None:
 
     cio.torch.save = save
     sys.argv = ["distill.train", *sys.argv[1:]]
-    distill.train.main()
+    distill.run.train.main()

@@ -101,10 +101,10 @@ def data_from(cfg, tokenizer, **overrides):
 def teacher_from(cfg):
     """The teacher of `cfg.teacher` (and `cfg.cache`), the other groups left unchecked."""
     from distill.cache.job import CacheSettings
-    from distill.config import plain
-    from distill.objective import LossConfig
-    from distill.rules import parse
-    from distill.teachers import TeacherConfig, build_teacher
+    from distill.core.rules import parse
+    from distill.run.config import plain
+    from distill.training.objective import LossConfig
+    from distill.training.teachers import TeacherConfig, build_teacher
 
     teacher = parse(TeacherConfig, plain(cfg.teacher), "teacher.")
     loss = parse(LossConfig, plain(cfg.loss), "loss.")
@@ -115,9 +115,9 @@ def teacher_from(cfg):
 
 def student_from(cfg):
     """The student of `cfg.student`, the other groups left unchecked."""
-    from distill.config import plain
-    from distill.lora import StudentConfig, load_student
-    from distill.rules import parse
+    from distill.core.rules import parse
+    from distill.models.lora import StudentConfig, load_student
+    from distill.run.config import plain
 
     return load_student(parse(StudentConfig, plain(cfg.student), "student."))
 

@@ -50,10 +50,10 @@ class FirstStep(L.Callback):
 
 def record_first_step(monkeypatch) -> FirstStep:
     """A FirstStep that the next `train(cfg)` adds to its callbacks."""
-    import distill.assemble
+    import distill.run.assemble
 
-    rec, build = FirstStep(), distill.assemble.build_callbacks
-    monkeypatch.setattr(distill.assemble, "build_callbacks",
+    rec, build = FirstStep(), distill.run.assemble.build_callbacks
+    monkeypatch.setattr(distill.run.assemble, "build_callbacks",
                         lambda *a, **kw: [*build(*a, **kw), rec])
     return rec
 

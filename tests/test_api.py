@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import distill
-from distill.config import ConfigError
 from distill.data import memory, sources
+from distill.run.config import ConfigError
 from distill.train import train
 
 SMALL = {"trainer": {"max_steps": 3, "val_check_interval": 3, "log_every_n_steps": 1},

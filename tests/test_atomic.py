@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import distill.checkpoint_io as cio
+import distill.core.checkpoint_io as cio
 from distill.train import train
 from tests.fixtures import child_env
 
@@ -81,7 +81,7 @@ def test_a_sigkill_in_the_middle_of_a_save_keeps_the_previous_checkpoint(
 
 def test_a_full_disk_during_the_export_keeps_the_earlier_student(compose_cfg, tmp_path,
                                                                 monkeypatch):
-    import distill.callbacks.export as export
+    import distill.export.callback as export
 
     out = tmp_path / "export"
     train(compose_cfg("+experiment=sft_fkl", "trainer.max_steps=2", out=out))

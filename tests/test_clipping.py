@@ -7,8 +7,8 @@ import pytest
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
 
-from distill.metrics import grad_norm
-from distill.module import DistillModule
+from distill.training.module import DistillModule
+from distill.training.state import grad_norm
 
 
 class _FakeFSDP(FSDPStrategy):  # routing only: no process group, no GPU
@@ -74,19 +74,20 @@ def test_the_known_norm_is_the_one_used_and_small_gradients_stay():
 
 
 def test_a_norm_not_yet_taken_is_taken_once_and_kept_for_the_step(monkeypatch):
-    import distill.metrics
+    import distill.training.state
 
     params, theirs = _grads(), _grads()
     opt = torch.optim.SGD(params, lr=0.1)
     module = SimpleNamespace(trainer=SimpleNamespace(strategy=SimpleNamespace()),
                              sums=SimpleNamespace(grad_norm=None),
                              clip_gradients=lambda *a: pytest.fail("clipped twice"))
-    taken, take = [], distill.metrics.grad_norm
-    monkeypatch.setattr(distill.metrics, "grad_norm", lambda *a: taken.append(1) or take(*a))
+    taken, take = [], distill.training.state.grad_norm
+    monkeypatch.setattr(distill.training.state, "grad_norm", lambda *a: taken.append(1) or take(*a))
     DistillModule.configure_gradient_clipping(module, opt, 1.5, "norm")
     want = torch.nn.utils.clip_grad_norm_(theirs, 1.5)
     assert float(module.sums.grad_norm[0]) == pytest.approx(float(want))  # for the step's logs
-    assert distill.metrics.step_grad_norm(module.trainer, module, opt) is module.sums.grad_norm[0]
+    norm = distill.training.state.step_grad_norm(module.trainer, module, opt)
+    assert norm is module.sums.grad_norm[0]
     assert taken == [1]
     for a, b in zip(params, theirs):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
@@ -175,11 +176,11 @@ def test_each_closure_run_takes_the_norm_of_its_own_gradients(compose_cfg, tmp_p
                                                                monkeypatch):
     """LBFGS runs the step's closure (forward, backward, Lightning's clipping) several
     times; each run clips by the norm of the gradients it just made, not the first run's."""
-    import distill.metrics
+    import distill.training.state
     from distill.train import train
 
-    norms, take = [], distill.metrics.grad_norm
-    monkeypatch.setattr(distill.metrics, "grad_norm",
+    norms, take = [], distill.training.state.grad_norm
+    monkeypatch.setattr(distill.training.state, "grad_norm",
                         lambda *a: norms.append(take(*a)) or norms[-1])
     runs, step = [], DistillModule.training_step
     monkeypatch.setattr(DistillModule, "training_step",

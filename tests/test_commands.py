@@ -16,8 +16,8 @@ import pytest
 from tests.fixtures import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
-WANT = {"distill-train": "distill.train:main", "distill-cache": "distill.caching:main",
-        "distill-export": "distill.export:main"}
+WANT = {"distill-train": "distill.train:main", "distill-cache": "distill.run.cache:main",
+        "distill-export": "distill.run.export:main"}
 
 
 def scripts() -> dict[str, str]:

@@ -11,8 +11,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from distill.caching import cache_teacher_logits
-from distill.config import ConfigError, problems, validate
+from distill.run.cache import cache_teacher_logits
+from distill.run.config import ConfigError, problems, validate
 from distill.train import train
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -65,9 +65,9 @@ BAD = [
     ("data.assistant_turns=first", "data.assistant_turns='first': must be one of all, last"),
     ("data.cpt_stride=0", "data.cpt_stride=0: must be an integer >= 1 or null"),
     ("data.chat_template=''", "data.chat_template='': must be a non-empty string or null"),
-    ("scheduler={_target_:distill.optim.cosine_with_warmup,_partial_:true,warmup_ratio:1.5}",
+    ("scheduler={_target_:distill.training.optim.cosine_with_warmup,_partial_:true,warmup_ratio:1.5}",
      "scheduler.warmup_ratio=1.5: must be a number in [0, 1)"),
-    ("scheduler={_target_:distill.optim.cosine_with_warmup,_partial_:true,warmup_ratio:1}",
+    ("scheduler={_target_:distill.training.optim.cosine_with_warmup,_partial_:true,warmup_ratio:1}",
      "scheduler.warmup_ratio=1: must be a number in [0, 1)"),
     ("trainer.max_steps=0", "trainer.max_steps=0: must be an integer >= 1 or -1"),
     ("trainer.precision=bf15-mixed", "trainer.precision='bf15-mixed': must be one of 32-true"),

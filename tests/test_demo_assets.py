@@ -7,9 +7,9 @@ import pytest
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import distill
-from distill.evaluation import generate_answers, load_examples, task_accuracy
+from distill.demo.evaluation import generate_answers, load_examples, task_accuracy
 
-ASSETS = Path(distill.__file__).parent / "demo_assets"
+ASSETS = Path(distill.__file__).parent / "demo" / "assets"
 DATA = ASSETS / "data"
 # The committed teacher scores 0.96 on the full test split (addition 0.91, reversal 1.0,
 # sorting 0.97); the subset below leaves room for the subset's noise, not for a broken model.

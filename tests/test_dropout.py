@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers as tf
 
-from distill.lora import load_student
+from distill.models.lora import load_student
 
 CONFIGS = {
     "llama": lambda v: tf.LlamaConfig(vocab_size=v, hidden_size=32, intermediate_size=48,

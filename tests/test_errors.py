@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from distill.losses import linear_divergence
-from distill.models import load_causal_lm, load_tokenizer
-from distill.tokenizers import check_same_tokenizer
+from distill.models.causal_lm import load_causal_lm, load_tokenizer
+from distill.models.tokenizers import check_same_tokenizer
 from distill.train import train
 from tests.fixtures import make_tokenizer
 

@@ -8,9 +8,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import distill
-from distill.evaluation import generate_answers, load_examples, task_accuracy
+from distill.demo.evaluation import generate_answers, load_examples, task_accuracy
 
-ASSETS = Path(distill.__file__).parent / "demo_assets"
+ASSETS = Path(distill.__file__).parent / "demo" / "assets"
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +127,9 @@ def test_no_examples_is_an_error(tokenizer):
 
 
 def test_summary_prints_the_recorded_reference_beside_the_student(capsys):
-    from distill.callbacks.task_eval import references_for
-    from distill.objective import LossConfig
-    from distill.report import print_summary
+    from distill.demo.task_eval import references_for
+    from distill.run.report import print_summary
+    from distill.training.objective import LossConfig
 
     ref = {"name": "CE-only", "overall": 0.125, "per_task": {"reversal": 0.05, "sorting": 0.2},
            "note": "mean of 3 seeds", "command": "python -m distill.train +experiment=x "
@@ -151,7 +151,7 @@ def test_summary_prints_the_recorded_reference_beside_the_student(capsys):
 
 
 def test_a_permutation_example_accepts_any_ordering_of_its_letters(tmp_path):
-    from distill.evaluation import is_correct
+    from distill.demo.evaluation import is_correct
 
     example = {**_chat("permute cab", "abc", "permutation"), "match": "permutation"}
     assert is_correct("bca", example) and is_correct(" abc ", example)
@@ -166,7 +166,7 @@ def test_a_permutation_example_accepts_any_ordering_of_its_letters(tmp_path):
 
 def test_the_scale_comparison_reads_the_real_run_summary():
     """scripts/compare_at_scale.py parses each run's printed summary (report.summary_lines)."""
-    from distill.report import summary_lines
+    from distill.run.report import summary_lines
     from tests.fixtures import load_script
 
     script = load_script("scripts/compare_at_scale.py")

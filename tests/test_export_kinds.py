@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from distill.export import export, main
+from distill.run.export import export, main
 from distill.train import train
 
 

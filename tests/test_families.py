@@ -18,12 +18,12 @@ import pytest
 import torch
 import transformers as tf
 
-from distill.callbacks.head_check import head_mismatch
 from distill.data.shift import shift_flat, shift_labels
 from distill.losses import linear_divergence
-from distill.models import final_hidden_states, lm_head, load_causal_lm
+from distill.models.causal_lm import final_hidden_states, lm_head, load_causal_lm
 from distill.ops.spec import HeadTransform
 from distill.train import train
+from distill.training.callbacks.head_check import head_mismatch
 from tests.conftest import TOLERANCES
 from tests.fixtures import make_tokenizer
 from tests.oracle import assert_rows_close, divergence
@@ -155,7 +155,7 @@ def test_head_check_accepts_each_family_and_catches_a_misread_head(name, family_
         assert head_mismatch(model, ids, vocab) is None
     assert head_mismatch(model.to(torch.bfloat16), ids, vocab) is None  # a bf16 teacher
     model.float()
-    import distill.callbacks.head_check as hc
+    import distill.training.callbacks.head_check as hc
 
     if name in QUIRKY:  # as if distill did not know this family's quirk
         misread = lambda m: (lm_head(m)[0], HeadTransform())  # noqa: E731
@@ -195,7 +195,7 @@ def test_real_model_recipe_trains_each_family(name, family_dirs, compose_cfg, tm
 
 def test_head_check_refuses_training_when_the_loss_misreads_a_head(family_dirs, compose_cfg,
                                                                   monkeypatch):
-    import distill.callbacks.head_check as hc
+    import distill.training.callbacks.head_check as hc
 
     dirs, _ = family_dirs
     student, teacher = dirs["granite"]
@@ -229,7 +229,7 @@ def test_readme_real_model_command_runs_as_written(family_dirs, compose_cfg, tmp
 
 def test_real_model_recipe_never_falls_back_to_the_demo_data(family_dirs, compose_cfg,
                                                              tiny_assets):
-    from distill.config import ConfigError
+    from distill.run.config import ConfigError
 
     student, teacher = family_dirs[0]["llama"]
     models = [f"student.name_or_path={student}", f"teacher.name_or_path={teacher}"]

@@ -1,4 +1,4 @@
-"""The performance switches (distill/levers.py) and the step benchmark's CPU path."""
+"""The performance switches (distill/models/levers.py) and the step benchmark's CPU path."""
 
 import json
 import sys
@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from distill.levers import Speed, apply_levers, decoder_layers
-from distill.models import final_hidden_states
-from distill.rules import parse
+from distill.core.rules import parse
+from distill.models.causal_lm import final_hidden_states
+from distill.models.levers import Speed, apply_levers, decoder_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ def test_config_errors_name_the_key_and_the_fix():
 
 
 def test_compile_with_liger_is_refused_before_anything_loads(compose_cfg):
-    from distill.config import ConfigError, validate
+    from distill.run.config import ConfigError, validate
 
     with pytest.raises(ConfigError, match="speed.compile=true with speed.liger=true: Liger's "
                        "autograd Functions inside a compiled decoder layer stop dynamo"):
@@ -63,7 +63,7 @@ def test_compile_under_fsdp_with_flex_attention_is_refused_before_anything_loads
     inductor (LoweringException: the GQA ratio is symbolic). flex_attention is what packed
     rows get on CUDA without flash-attn, so the rule follows that choice; FSDP with compile
     and another attention, and compile with flex_attention without FSDP, are not refused."""
-    from distill.config import ConfigError, validate
+    from distill.run.config import ConfigError, validate
 
     refusal = ("speed.compile=true under FSDP with flex_attention .* inductor fails to lower "
                "flex_attention .* set speed.compile=false")
@@ -165,15 +165,15 @@ def test_attention_lever_switches_both_models():
 
 
 def test_train_applies_the_levers_from_the_config(compose_cfg, monkeypatch):
-    import distill.train
+    import distill.run.train
 
     seen = {}
-    monkeypatch.setattr(distill.train, "apply_levers",
+    monkeypatch.setattr(distill.run.train, "apply_levers",
                         lambda speed, student, teacher, packing: seen.update(
                             speed=speed, teacher=teacher, packing=packing))
     cfg = compose_cfg("speed.gradient_checkpointing=true", "trainer.max_steps=1",
                       "trainer.val_check_interval=1")
-    distill.train.train(cfg)
+    distill.run.train.train(cfg)
     assert seen["speed"] == Speed(gradient_checkpointing=True)
     assert isinstance(seen["teacher"], torch.nn.Module)
     assert seen["packing"] is False  # the config's data.packing
@@ -227,7 +227,7 @@ def test_bench_train_tiny_runs_every_row_on_cpu(tmp_path):
 def test_fused_optimizer_with_clipping_is_refused_where_lightning_would_stop(compose_cfg):
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from distill.config import ConfigError, validate
+    from distill.run.config import ConfigError, validate
 
     # Lightning's AMP plugin refuses to clip for a fused optimizer, GradScaler or not;
     # distill clips by norm without it (tests/test_clipping.py) where no GradScaler scales
@@ -301,8 +301,8 @@ def _traces(compose_cfg, out, monkeypatch, *overrides, experiment="sft_fkl"):
     rollout) and in the training forwards, of a 2-step run with compiled layers."""
     from torch._dynamo import list_backends, register_backend
 
-    from distill.objective import Objective
     from distill.train import train
+    from distill.training.objective import Objective
 
     if "distill_test_recorder" not in list_backends(exclude_tags=()):
         register_backend(_recording_backend, name="distill_test_recorder")
@@ -340,7 +340,7 @@ def test_the_head_check_traces_nothing_and_the_first_batch_compiles_as_without_i
     runs compiled code eagerly: nothing is traced
     there, it still compares both models' logits, and training traces the same graphs as a
     run without the check."""
-    from distill.callbacks import head_check
+    from distill.training.callbacks import head_check
 
     compared, compare = [], head_check.head_mismatch
 

@@ -8,9 +8,9 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from distill.callbacks import TokenThroughput
-from distill.loggers import build_loggers
+from distill.run.loggers import build_loggers
 from distill.train import train
+from distill.training.callbacks import TokenThroughput
 
 
 def _metrics(out):

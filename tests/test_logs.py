@@ -16,9 +16,9 @@ import pandas as pd
 import pytest
 import torch
 
-from distill.metrics import grad_norm
-from distill.sweep import write_summary
+from distill.run.sweep import write_summary
 from distill.train import train
+from distill.training.state import grad_norm
 
 
 def _csv(out):
@@ -64,7 +64,7 @@ def test_learning_rate_and_gradient_norm_before_clipping_each_step(compose_cfg, 
 
 
 def test_a_second_learning_rate_gets_its_own_key(compose_cfg, tmp_path, monkeypatch):
-    from distill import optim
+    from distill.training import optim
 
     original = optim.adamw
 
@@ -117,9 +117,9 @@ def test_gradient_norm_over_mixed_dtypes_matches_a_float64_sum():
 
 def test_a_samples_teacher_logprob_is_the_mean_over_its_completion(tiny_assets):
     """Against the teacher's own forward().logits, log-softmax in float64."""
-    from distill.callbacks.logs import teacher_logprob
-    from distill.models import load_causal_lm
-    from distill.teachers import LiveTeacher
+    from distill.models.causal_lm import load_causal_lm
+    from distill.training.callbacks.logs import teacher_logprob
+    from distill.training.teachers import LiveTeacher
 
     model = load_causal_lm(str(tiny_assets["teacher"]))
     with torch.no_grad():

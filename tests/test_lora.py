@@ -11,7 +11,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from distill.lora import LoraConfig, load_exported, load_student
+from distill.models.lora import LoraConfig, load_exported, load_student
 
 LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 RUNS: list = []  # what Probe saw, one entry per run
@@ -196,7 +196,7 @@ def test_bench_script_runs_tiny_on_cpu(tmp_path):
 ])
 def test_the_config_validator_checks_lora_keys_before_anything_loads(compose_cfg, override,
                                                                       match):
-    from distill.config import ConfigError, validate
+    from distill.run.config import ConfigError, validate
 
     with pytest.raises(ConfigError, match=match):
         validate(compose_cfg("student=hf", override))
@@ -211,9 +211,9 @@ def test_gpu_bf16_mixed_lora_steps(tiny_assets, train_head):
 
     from torch.utils.data import DataLoader
 
-    from distill.callbacks import StepTokenCounter
-    from distill.module import DistillModule
-    from distill.teachers import LiveTeacher
+    from distill.training.callbacks import StepTokenCounter
+    from distill.training.module import DistillModule
+    from distill.training.teachers import LiveTeacher
 
     student = load_student(str(tiny_assets["student"]), dtype="bfloat16",
                            lora={"r": 4, "train_head": train_head}).cuda()

@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from distill.data.shift import shift_flat, shift_labels
 from distill.losses import linear_divergence
-from distill.models import final_hidden_states, lm_head
-from distill.teachers import LiveTeacher
+from distill.models.causal_lm import final_hidden_states, lm_head
+from distill.training.teachers import LiveTeacher
 
 
 def test_hidden_and_head_give_the_model_logits(tiny_assets):
@@ -45,8 +45,8 @@ def test_loss_from_live_teacher_matches_full_logits(tiny_assets):
 
 
 def test_vocab_mismatch_hint_names_the_real_key(tmp_path, tiny_assets, compose_cfg):
-    from distill.models import load_tokenizer
-    from distill.tokenizers import check_same_tokenizer
+    from distill.models.causal_lm import load_tokenizer
+    from distill.models.tokenizers import check_same_tokenizer
     from distill.train import train
     from tests.fixtures import make_tokenizer
 
@@ -62,7 +62,7 @@ def test_vocab_mismatch_hint_names_the_real_key(tmp_path, tiny_assets, compose_c
 
 @pytest.mark.parametrize("content", ["empty", "config_only", "tokenizer_only"])
 def test_folder_without_model_says_what_it_lacks(tmp_path, tiny_assets, content):
-    from distill.models import load_causal_lm, load_tokenizer
+    from distill.models.causal_lm import load_causal_lm, load_tokenizer
 
     folder = tmp_path / content
     folder.mkdir()
@@ -112,7 +112,7 @@ def test_live_teacher_around_a_model_in_memory(tiny_assets):
     targets as the teacher loaded from the folder, frozen and in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    from distill.teachers import LiveTeacher
+    from distill.training.teachers import LiveTeacher
 
     loaded = LiveTeacher(str(tiny_assets["teacher"]))
     wrapped = LiveTeacher.from_model(AutoModelForCausalLM.from_pretrained(tiny_assets["teacher"]))
@@ -126,8 +126,8 @@ def test_live_teacher_around_a_model_in_memory(tiny_assets):
 
 
 def test_hub_names_and_local_paths_are_told_apart_one_way():
-    from distill.models import looks_like_hub_name
-    from distill.publish import _is_hub_name
+    from distill.export.card import _is_hub_name
+    from distill.models.causal_lm import looks_like_hub_name
 
     for name in ("gpt2", "Qwen/Qwen2.5-0.5B"):
         assert looks_like_hub_name(name) and _is_hub_name(name)

@@ -15,9 +15,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from distill.callbacks.export import ExportStudent
-from distill.models import load_causal_lm
-from distill.paths import hydra_output_dir
+from distill.export.callback import ExportStudent
+from distill.models.causal_lm import load_causal_lm
+from distill.run.paths import hydra_output_dir
 from tests.fixtures import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ def test_reused_output_dir_moves_the_earlier_export_aside(tiny_assets, tmp_path,
                                                           earlier_exports):
     out = tmp_path / "student"
     models = [_perturbed(tiny_assets["student"]) for _ in range(earlier_exports + 1)]
-    with caplog.at_level(logging.WARNING, logger="distill.callbacks.export"):
+    with caplog.at_level(logging.WARNING, logger="distill.export.callback"):
         for m in models:
             _export(m, out)
     moved = sorted(tmp_path.glob("student.*"))
@@ -122,7 +122,7 @@ def test_reused_output_dir_moves_the_earlier_export_aside(tiny_assets, tmp_path,
 
 def test_an_empty_student_folder_is_simply_used(tiny_assets, tmp_path, caplog):
     (tmp_path / "student").mkdir()
-    with caplog.at_level(logging.WARNING, logger="distill.callbacks.export"):
+    with caplog.at_level(logging.WARNING, logger="distill.export.callback"):
         _export(load_causal_lm(str(tiny_assets["student"])), tmp_path / "student")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["student"]
     assert "already held" not in caplog.text

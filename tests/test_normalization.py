@@ -6,7 +6,8 @@ import warnings
 import pytest
 import torch
 
-from distill import normalization as norm
+from distill.data import masks as masks_mod
+from distill.training import normalization as norm
 
 # two rows: a prompt-masked SFT row (3 valid of 5 real) and a padded CPT row (2 of 2)
 BATCH = {
@@ -17,24 +18,24 @@ BATCH = {
 
 
 def test_counts_of_a_micro_batch():
-    masks = norm.batch_masks(BATCH)
-    assert norm.count(masks) == {"valid": 5, "real": 7, "sequences": 2}
-    assert norm.count_tensor(BATCH).tolist() == [5, 7, 2]
+    masks = masks_mod.batch_masks(BATCH)
+    assert masks_mod.count(masks) == {"valid": 5, "real": 7, "sequences": 2}
+    assert masks_mod.count_tensor(BATCH).tolist() == [5, 7, 2]
 
 
 def test_packed_rows_count_documents_and_skip_boundaries():
     batch = {**BATCH, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 0, 0]])}
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-    masks = norm.batch_masks(batch)
+    masks = masks_mod.batch_masks(batch)
     # row 0: two documents of 3; the position predicting the second's first token is not real
     assert masks.real[0].tolist() == [True, True, False, True, True]
-    assert norm.count(masks)["sequences"] == 2
+    assert masks_mod.count(masks)["sequences"] == 2
 
 
 @pytest.mark.parametrize("policy", norm.POLICIES)
 def test_weights_sum_to_the_policy_total(policy):
-    masks = norm.batch_masks(BATCH)
-    step = norm.StepCounts(valid=20, real=40, sequences=8, micro_batches=2, world_size=2,
+    masks = masks_mod.batch_masks(BATCH)
+    step = masks_mod.StepCounts(valid=20, real=40, sequences=8, micro_batches=2, world_size=2,
                            accumulate=4)
     w = norm.token_weights(policy, masks, step)
     assert (w[~masks.valid] == 0).all()
@@ -46,8 +47,8 @@ def test_weights_sum_to_the_policy_total(policy):
 @pytest.mark.parametrize("policy", norm.POLICIES)
 def test_an_empty_step_gives_zero_weights(policy):
     batch = {**BATCH, "labels": torch.full_like(BATCH["labels"], -100)}
-    masks = norm.batch_masks(batch)
-    w = norm.token_weights(policy, masks, norm.StepCounts(valid=0, real=7, sequences=0))
+    masks = masks_mod.batch_masks(batch)
+    w = norm.token_weights(policy, masks, masks_mod.StepCounts(valid=0, real=7, sequences=0))
     assert torch.isfinite(w).all() and (w == 0).all()
 
 

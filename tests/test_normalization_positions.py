@@ -11,7 +11,8 @@ Position t predicts token t + 1: a batch of length 8 has 7 positions per row.
 import pytest
 import torch
 
-from distill.normalization import POLICIES, StepCounts, batch_masks, token_weights
+from distill.data.masks import StepCounts, batch_masks
+from distill.training.normalization import POLICIES, token_weights
 
 X = -100
 BATCH = {

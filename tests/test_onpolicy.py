@@ -8,13 +8,13 @@ import functools
 import pytest
 import torch
 
-from distill.models import load_causal_lm
-from distill.module import DistillModule
+from distill.core.rules import ConfigError, parse
+from distill.models.causal_lm import load_causal_lm
 from distill.onpolicy.config import OnPolicyConfig
 from distill.onpolicy.rollout import prompt_length, rollout, window_seed
 from distill.onpolicy.samplers import HFSampler, SamplingSettings
-from distill.rules import ConfigError, parse
-from distill.teachers import LiveTeacher
+from distill.training.module import DistillModule
+from distill.training.teachers import LiveTeacher
 
 EOS = 3
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from distill.optim import adamw, cosine_with_warmup, decay_groups
+from distill.training.optim import adamw, cosine_with_warmup, decay_groups
 
 
 def test_norms_and_biases_are_not_decayed():
@@ -54,7 +54,7 @@ def test_warmup_then_cosine():
 def test_the_fused_kernel_is_the_default_on_cuda_parameters_only():
     from types import SimpleNamespace
 
-    from distill.optim import fused_by_default
+    from distill.training.optim import fused_by_default
 
     def param(cuda, floating=True):
         return SimpleNamespace(is_cuda=cuda, is_floating_point=lambda: floating)
@@ -93,7 +93,7 @@ def test_the_run_turns_the_fused_kernel_off_where_its_clipping_needs_it(compose_
                                                                         overrides, fused):
     from omegaconf import OmegaConf
 
-    from distill import assemble
+    from distill.run import assemble
 
     cfg = compose_cfg("+experiment=hf_sft", "paths.data=.", *overrides)
     # (the trainer as the run reads it; parsing would refuse trainer=gpu on a CPU machine)

@@ -8,7 +8,7 @@ keep the trainable student's weights in a dtype where it does not.
 import pytest
 import torch
 
-from distill.models import trainable_dtype
+from distill.models.causal_lm import trainable_dtype
 from tests.fixtures import student_from
 
 
@@ -87,8 +87,8 @@ def test_loss_under_autocast_keeps_fp32_logits(kind):
 def test_a_16_bit_student_under_mixed_precision_is_warned(compose_cfg, tiny_assets):
     import warnings
 
-    from distill.callbacks.precision_check import half_trainable
     from distill.train import train
+    from distill.training.callbacks.precision_check import half_trainable
 
     base = ["student=hf", "teacher=hf", f"student.name_or_path={tiny_assets['student']}",
             f"teacher.name_or_path={tiny_assets['teacher']}", "trainer.precision=bf16-mixed",

@@ -102,7 +102,7 @@ def test_readme_command_runs_as_written(command, tiny_assets, swap, workdir, mon
     elif "-m" in args:
         _sweep(args, tiny_assets, tmp_path)
     elif name == "distill-cache":
-        from distill.caching import cache_teacher_logits
+        from distill.run.cache import cache_teacher_logits
 
         cfg = _compose([*_tiny(tiny_assets), *args])
         cache_teacher_logits(cfg)
@@ -112,7 +112,7 @@ def test_readme_command_runs_as_written(command, tiny_assets, swap, workdir, mon
 
 
 def _train(args, tiny_assets, workdir, tmp_path):
-    from distill.caching import cache_teacher_logits
+    from distill.run.cache import cache_teacher_logits
     from distill.train import train
 
     if "WANDB_MODE" in os.environ:
@@ -147,7 +147,7 @@ def _sweep(args, tiny_assets, tmp_path):
 
 
 def _export(args, tiny_assets, workdir):
-    from distill.export import main
+    from distill.run.export import main
 
     lora = "--merge" in args
     run = workdir / ("lora_run" if lora else "full_run")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import distill.teachers
-from distill.caching import cache_teacher_logits
-from distill.config import ConfigError, parse
+import distill.training.teachers
+from distill.run.cache import cache_teacher_logits
+from distill.run.config import ConfigError, parse
 from distill.train import train
 
 
@@ -44,7 +44,7 @@ def test_the_offline_recipe_caches_then_trains_from_one_config(compose_cfg, tiny
     def refuse(*args, **kwargs):
         raise AssertionError("training from the cache must not load the teacher model")
 
-    monkeypatch.setattr(distill.teachers.LiveTeacher, "__init__", refuse)
+    monkeypatch.setattr(distill.training.teachers.LiveTeacher, "__init__", refuse)
     summary = train(compose_cfg(*overrides))
     assert summary["global_step"] == 3 and summary["metrics"]["val/kl"] > 0
 
@@ -116,9 +116,9 @@ def _package_cfg(*overrides):
                                               ("hf_onpolicy", False), ("onpolicy_demo", True),
                                               ("sft_rkl", True)])
 def test_the_demo_evaluation_runs_on_the_demo_only(experiment, demo, tiny_assets):
-    from distill.assemble import build_callbacks
-    from distill.callbacks.task_eval import TaskAccuracy
-    from distill.models import load_tokenizer
+    from distill.demo.task_eval import TaskAccuracy
+    from distill.models.causal_lm import load_tokenizer
+    from distill.run.assemble import build_callbacks
 
     cfg = _package_cfg(f"+experiment={experiment}", *_models(tiny_assets))
     run = parse(cfg)

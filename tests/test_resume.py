@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from distill.data import DistillDataModule, StepWindows
-from distill.models import load_tokenizer
+from distill.models.causal_lm import load_tokenizer
 from distill.train import train
 from tests.callbacks import proof
 
@@ -151,7 +151,7 @@ def test_ckpt_path_last_starts_fresh_then_resumes(compose_cfg, tmp_path):
 
 
 def test_a_missing_checkpoint_file_is_refused_before_loading(compose_cfg, tmp_path):
-    from distill.config import ConfigError
+    from distill.run.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"ckpt_path='.*nope.ckpt': must be null, 'last' "
                        r"\(resume .*\) or the path of an existing checkpoint"):
@@ -160,8 +160,8 @@ def test_a_missing_checkpoint_file_is_refused_before_loading(compose_cfg, tmp_pa
 
 def test_last_finds_a_sharded_checkpoint_folder(tmp_path, compose_cfg):
     """FSDP's sharded checkpoints are folders: `last` and an explicit path accept them."""
-    from distill.config import problems
-    from distill.resume import resolve_ckpt_path
+    from distill.run.config import problems
+    from distill.run.resume import resolve_ckpt_path
 
     folder = tmp_path / "checkpoints" / "last.ckpt"
     folder.mkdir(parents=True)

@@ -13,14 +13,14 @@ from hydra.utils import instantiate
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import DDPStrategy
 
-from distill.models import load_causal_lm
-from distill.module import DistillModule
-from distill.strategies import DistillFSDP, fsdp_units, with_state_entry
-from distill.teachers import LiveTeacher
+from distill.models.causal_lm import load_causal_lm
+from distill.models.strategies import DistillFSDP, fsdp_units, with_state_entry
+from distill.training.module import DistillModule
+from distill.training.teachers import LiveTeacher
 
 
 def test_ddp_preset_builds_a_two_process_ddp_trainer(compose_cfg):
-    from distill.config import validate
+    from distill.run.config import validate
 
     cfg = compose_cfg("trainer=ddp", "trainer.accelerator=cpu")
     validate(cfg)
@@ -31,7 +31,7 @@ def test_ddp_preset_builds_a_two_process_ddp_trainer(compose_cfg):
 
 def test_fsdp_preset_composes_to_distill_fsdp_in_bf16_mixed(compose_cfg):
 
-    from distill.config import problems
+    from distill.run.config import problems
 
     cfg = compose_cfg("trainer=fsdp")
     found = problems(cfg)  # the schema accepts the preset (on a machine with a GPU)
@@ -90,7 +90,7 @@ def test_export_gathers_the_full_state_even_with_sharded_checkpoints(tiny_assets
 
     from transformers import AutoModelForCausalLM
 
-    from distill.callbacks.export import ExportStudent
+    from distill.export.callback import ExportStudent
 
     student = load_causal_lm(str(tiny_assets["student"]))
     trained = {f"student.{k}": v + 1.0 for k, v in student.state_dict().items()}

@@ -11,8 +11,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from distill.module import DistillModule
 from distill.train import train
+from distill.training.module import DistillModule
 from tests.fixtures import student_from, teacher_from
 
 EXPERIMENTS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf/experiment").glob("*.yaml"))
@@ -123,10 +123,10 @@ def test_gradients_are_freed_after_each_optimizer_step(accumulate, compose_cfg, 
     """Lightning zeroes the gradients after the next forward; DistillModule frees them at
     the optimizer step, so a window's first forward never runs beside the last step's
     gradients (a student-sized fp32 tensor at the allocator's peak on the GPU)."""
-    import distill.assemble
+    import distill.run.assemble
 
-    rec, build = _GradsAtForward(), distill.assemble.build_callbacks
-    monkeypatch.setattr(distill.assemble, "build_callbacks",
+    rec, build = _GradsAtForward(), distill.run.assemble.build_callbacks
+    monkeypatch.setattr(distill.run.assemble, "build_callbacks",
                         lambda *a, **kw: [*build(*a, **kw), rec])
     train(compose_cfg("+experiment=sft_fkl", "trainer.max_steps=3",
                       f"trainer.accumulate_grad_batches={accumulate}", out=tmp_path / "g"))

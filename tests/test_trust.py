@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import distill.models
-from distill.caching import cache_teacher_logits
-from distill.checkpoint_io import check_finite
+import distill.models.causal_lm
+from distill.core.checkpoint_io import check_finite
+from distill.core.rules import ConfigError
 from distill.data.rows import DataError
-from distill.models import load_tokenizer
-from distill.paths import RunLock
-from distill.rules import ConfigError
+from distill.models.causal_lm import load_tokenizer
+from distill.run.cache import cache_teacher_logits
+from distill.run.paths import RunLock
 from distill.train import train
 from tests.fixtures import make_model, make_tokenizer
 
@@ -43,7 +43,7 @@ class _NoLoading:
 
 @pytest.fixture
 def no_model_loads(monkeypatch):
-    monkeypatch.setattr(distill.models, "AutoModelForCausalLM", _NoLoading)
+    monkeypatch.setattr(distill.models.causal_lm, "AutoModelForCausalLM", _NoLoading)
 
 
 def _data(folder: Path, train_rows: list, val_rows=None) -> Path:
@@ -158,7 +158,7 @@ def test_a_student_without_a_tokenizer_uses_the_teachers_and_a_template_differen
     tok = make_tokenizer(own)
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     tok.save_pretrained(own)
-    with caplog.at_level(logging.WARNING, logger="distill.tokenizers"):
+    with caplog.at_level(logging.WARNING, logger="distill.models.tokenizers"):
         train(compose_cfg("+experiment=hf_sft", f"student.name_or_path={own}",
                           "trainer.max_steps=1", out=tmp_path / "run2"))
     assert "share the vocabulary but differ in the chat templates: the run renders the data " \
@@ -192,7 +192,7 @@ def test_a_second_run_into_a_busy_folder_is_refused_and_the_first_ones_record_ke
 
 def test_a_killed_runs_lock_is_not_stale(tmp_path):
     out = tmp_path / "killed"
-    code = ("import sys, time; from distill.paths import RunLock; "
+    code = ("import sys, time; from distill.run.paths import RunLock; "
             f"lock = RunLock({str(out)!r}).__enter__(); print('locked', flush=True); "
             "time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
@@ -294,12 +294,12 @@ def test_a_checkpoint_of_another_student_is_refused_before_the_teacher_loads(
     other = tmp_path / "other"
     make_tokenizer(other)
     make_model(other, 78, hidden=24, layers=1, seed=3, tie=True)
-    import distill.teachers
+    import distill.training.teachers
 
     def no_teacher(cfg):
         raise AssertionError("the teacher loaded")
 
-    monkeypatch.setattr(distill.teachers.LiveTeacher, "load", no_teacher)
+    monkeypatch.setattr(distill.training.teachers.LiveTeacher, "load", no_teacher)
     with pytest.raises(ValueError, match=rf"ckpt_path={ckpt} is a checkpoint of another student "
                                          rf"than student.name_or_path={other} \(\d+ weights "
                                          r"differ in shape \(e.g. student.model.embed_tokens."
@@ -333,11 +333,11 @@ def test_settings_under_which_nothing_learns_are_refused_with_the_reason(
 def test_settings_that_learn_slowly_are_warned_about(overrides, message, caplog):
     from hydra import compose, initialize_config_dir
 
-    from distill.config import parse
+    from distill.run.config import parse
 
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"), \
-            caplog.at_level(logging.WARNING, logger="distill.config"):
+            caplog.at_level(logging.WARNING, logger="distill.run.config"):
         parse(compose("train", overrides=overrides))
     assert any(__import__("re").search(message, r.message) for r in caplog.records), caplog.text
 

@@ -27,7 +27,7 @@ import pyarrow as pa
 import torch
 
 from distill.cache.format import CacheMismatch, tokenizer_hash, write_json_atomic
-from distill.models import final_hidden_states, lm_head
+from distill.models.causal_lm import final_hidden_states, lm_head
 from distill.ops.chunked import project
 from distill.ops.divergence_torch import log_softmax
 from distill.ops.spec import HeadTransform

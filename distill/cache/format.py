@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from distill.constants import IGNORE_INDEX
+from distill.core.constants import IGNORE_INDEX
 
 FORMAT = "distill-teacher-cache"
 VERSION = 2  # 2: a sha256 per shard (distill.cache.verify)

@@ -40,7 +40,7 @@ from distill.cache.format import (
 from distill.cache.plan import Plan, ShardBatches, describe
 from distill.cache.verify import file_sha256, recorded, shard_problem
 from distill.cache.writer import ShardWriter, TopKPredictor
-from distill.rules import Rule, check, choice, integer, number, setting, text
+from distill.core.rules import Rule, check, choice, integer, number, setting, text
 
 
 def _splits(v) -> bool:

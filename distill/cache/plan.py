@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from distill.cache.format import data_fingerprint, example_hash, shard_path
-from distill.constants import IGNORE_INDEX
+from distill.core.constants import IGNORE_INDEX
 
 
 @dataclass

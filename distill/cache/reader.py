@@ -46,7 +46,7 @@ class TeacherCache:
         if meta is None:
             raise FileNotFoundError(f"no teacher cache at {self.root} (no metadata.json): "
                                     "write it first with distill-cache and the same overrides as "
-                                    "this run (python -m distill.caching)")
+                                    "this run (python -m distill.run.cache)")
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise CacheMismatch("format", (meta.get("format"), meta.get("version")),
                                 (FORMAT, VERSION), str(self.root), REBUILD)

@@ -19,9 +19,9 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from distill.cache.format import SCHEMA, shard_path, tmp_path
 from distill.cache.topk import topk_logprobs
 from distill.cache.verify import record_and_publish
-from distill.constants import IGNORE_INDEX
+from distill.core.constants import IGNORE_INDEX
 from distill.data.shift import shift_flat, shift_labels
-from distill.models import final_hidden_states, lm_head
+from distill.models.causal_lm import final_hidden_states, lm_head
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from distill.constants import IGNORE_INDEX
+from distill.core.constants import IGNORE_INDEX
 
 MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 

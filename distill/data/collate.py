@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from distill.constants import IGNORE_INDEX
+from distill.core.constants import IGNORE_INDEX
 
 
 def pad(rows: list, value: int, width: int | None = None, side: str = "right"):

@@ -6,8 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from distill.data.files import KINDS
-from distill.rules import (
+from distill.core.rules import (
     Rule,
     boolean,
     choice,
@@ -18,6 +17,7 @@ from distill.rules import (
     setting,
     text,
 )
+from distill.data.files import KINDS
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import datasets
 import lightning as L
 from torch.utils.data import DataLoader
 
+from distill.core.rules import parse
 from distill.data.chat import resolve_template
 from distill.data.collate import PadCollator, width_multiple
 from distill.data.config import DataConfig
@@ -19,7 +20,6 @@ from distill.data.pack import pack_dataset
 from distill.data.sources import load_source  # files, folders, hub names, memory
 from distill.data.tokenize import tokenize_source
 from distill.data.windows import StepWindows, WindowCollate, WindowSampler
-from distill.rules import parse
 
 
 def build_dataset(sources, tokenizer, max_length: int, seed: int, mix: bool = True,

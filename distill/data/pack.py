@@ -5,8 +5,8 @@ Rows are filled in dataset order (next fit) up to `max_length` tokens, within ea
 A row keeps each document's labels as they were and restarts `position_ids` at 0 where a
 document begins. Hugging Face models given `position_ids` and no attention mask then attend
 only within a document (transformers' packed-sequence masks for sdpa / eager / flex;
-flash-attention's varlen path, see `distill.models.final_hidden_states`), and
-`distill.normalization.batch_masks` drops the position that would predict the next
+flash-attention's varlen path, see `distill.models.causal_lm.final_hidden_states`), and
+`distill.data.masks.batch_masks` drops the position that would predict the next
 document's first token.
 
 Cost: under sdpa or eager the per-document mask is a dense (B, 1, T, T) boolean tensor

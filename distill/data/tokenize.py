@@ -22,7 +22,7 @@ import logging
 import datasets
 import jinja2
 
-from distill.constants import IGNORE_INDEX
+from distill.core.constants import IGNORE_INDEX
 from distill.data.chat import ChatEncoder, MergedBoundary, TemplateError
 from distill.data.files import columns, source_name, where
 from distill.data.rows import DataError, prompt_conversation, sft_conversation

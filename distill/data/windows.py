@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from distill.constants import IGNORE_INDEX
-from distill.normalization import StepCounts, count_tensor
+from distill.core.constants import IGNORE_INDEX
+from distill.data.masks import StepCounts, count_tensor
 
 
 @dataclass

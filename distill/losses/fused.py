@@ -13,7 +13,7 @@ import inspect
 
 import torch
 
-from distill.constants import IGNORE_INDEX
+from distill.core.constants import IGNORE_INDEX
 from distill.losses.validation import check_ce_inputs, check_inputs
 from distill.ops.chunked import DEFAULT_TUNING, Targets, Tuning
 from distill.ops.cross_entropy import cross_entropy_op

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distill.rules import choice, integer, number, setting
+from distill.core.rules import choice, integer, number, setting
 
 SAMPLERS = ("auto", "hf", "static")
 

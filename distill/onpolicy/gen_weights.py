@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from distill.constants import unwrapped
+from distill.core.constants import unwrapped
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from distill.constants import IGNORE_INDEX
+from distill.core.constants import IGNORE_INDEX
 from distill.data.collate import pad, padded_width
 from distill.onpolicy.config import OnPolicyConfig
 

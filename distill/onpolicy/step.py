@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from distill.data.collate import width_multiple
 from distill.data.windows import WindowInfo
-from distill.models import config_positions
+from distill.models.causal_lm import config_positions
 from distill.onpolicy.config import OnPolicyConfig
 from distill.onpolicy.rollout import RolloutStats, rollout, window_seed
 from distill.onpolicy.samplers import HFSampler, SamplingSettings, stop_tokens

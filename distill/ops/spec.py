@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distill.rules import boolean, check, choice, number, setting
+from distill.core.rules import boolean, check, choice, number, setting
 
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 SPARSE_MODES = ("tail", "renormalize")

@@ -70,7 +70,8 @@ class PairCollator:
 
 def flat_spans(batch: dict) -> torch.Tensor:
     """(S, 4) [student row lo, hi, teacher row lo, hi) in the flattened shifted batches
-    (`distill.teachers.shift_flat`): token k of row b is predicted by row b * (T - 1) + k - 1."""
+    (`distill.data.shift.shift_flat`): token k of row b is predicted by row
+    b * (T - 1) + k - 1."""
     spans = batch["xtok_spans"]
     ts, tt = batch["input_ids"].shape[1], batch["teacher_input_ids"].shape[1]
     b, s_lo, s_hi, t_lo, t_hi = spans.unbind(1)

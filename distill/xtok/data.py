@@ -14,7 +14,7 @@ import logging
 
 import datasets
 
-from distill.constants import IGNORE_INDEX
+from distill.core.constants import IGNORE_INDEX
 from distill.data.chat import ChatEncoder, MergedBoundary, TemplateError, resolve_template
 from distill.data.files import columns, source_name, where
 from distill.data.rows import prompt_conversation, sft_conversation

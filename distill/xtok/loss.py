@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from distill.constants import IGNORE_INDEX
+from distill.core.constants import IGNORE_INDEX
 from distill.losses.fused import outside_autocast
 from distill.ops.function import take_grads
 from distill.ops.spec import DivergenceSpec, HeadTransform

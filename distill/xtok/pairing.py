@@ -23,7 +23,7 @@ turn, each trained on its last turn only.
 
 from __future__ import annotations
 
-from distill.constants import IGNORE_INDEX
+from distill.core.constants import IGNORE_INDEX
 from distill.data.chat import ChatEncoder, TemplateError
 from distill.data.tokenize import cpt_windows, with_bos_eos
 from distill.xtok.align import AlignmentError, Run, align_runs, char_to_byte_offsets, trained_runs

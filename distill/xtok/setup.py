@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distill.losses import linear_cross_entropy
-from distill.teachers import LiveTeacher
-from distill.tokenizers import cross_tokenizers
+from distill.models.tokenizers import cross_tokenizers
+from distill.training.teachers import LiveTeacher
 from distill.xtok.collate import PairCollator
 from distill.xtok.data import pair_encoder, tokenize_pair_source
 from distill.xtok.loss import cross_tokenizer_divergence

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from distill.cache.cross import XtokCache
-from distill.teachers import LiveTeacher
+from distill.training.teachers import LiveTeacher
 from distill.xtok.collate import flat_spans, teacher_targets
 
 
@@ -46,7 +46,7 @@ class LiveCrossTeacher(torch.nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_path: str, tokenizer: str | None = None,
                         dtype: str = "float32", attn_implementation: str | None = None):
-        from distill.models import load_tokenizer
+        from distill.models.causal_lm import load_tokenizer
 
         teacher = LiveTeacher(name_or_path, dtype=dtype, attn_implementation=attn_implementation)
         return cls(teacher, load_tokenizer(tokenizer or name_or_path))

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM
 
 import distill.train  # noqa: F401  (registers the distill_demo resolver)
-from distill.caching import cache_teacher_logits
+from distill.run.cache import cache_teacher_logits
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -79,7 +79,7 @@ def compose_train(tiny_assets, sharp_teacher):
 
 @pytest.fixture(scope="session")
 def vocab(tiny_assets):
-    from distill.models import load_tokenizer
+    from distill.models.causal_lm import load_tokenizer
 
     return len(load_tokenizer(str(tiny_assets["teacher"])))
 

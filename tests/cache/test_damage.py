@@ -16,10 +16,10 @@ import torch
 from distill.cache import CacheMismatch, TeacherCache, content_hash, read_metadata
 from distill.cache.format import SCHEMA, shard_path
 from distill.cache.verify import UNIT_ROUNDOFF, CacheDamaged, file_sha256, sum_path, value_problem
-from distill.caching import cache_teacher_logits
-from distill.models import load_tokenizer
-from distill.teachers import CachedTeacher
+from distill.models.causal_lm import load_tokenizer
+from distill.run.cache import cache_teacher_logits
 from distill.train import train
+from distill.training.teachers import CachedTeacher
 from tests.fixtures import data_from
 
 REPAIR = r"Repair it: distill-cache .*cache.dir="

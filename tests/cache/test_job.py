@@ -9,7 +9,7 @@ import pytest
 
 from distill.cache import TeacherCache, content_hash, read_metadata
 from distill.cache.format import shard_path
-from distill.caching import cache_teacher_logits
+from distill.run.cache import cache_teacher_logits
 from tests.cache.helpers import run_script, script, wait_for
 
 THROTTLE = "+callbacks.throttle={_target_:tests.cache.helpers.Throttle,seconds:0.3}"

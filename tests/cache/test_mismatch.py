@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from distill.cache import CacheMismatch
-from distill.caching import cache_teacher_logits
 from distill.data import DistillDataModule
-from distill.models import load_tokenizer
-from distill.teachers import CachedTeacher
+from distill.models.causal_lm import load_tokenizer
+from distill.run.cache import cache_teacher_logits
+from distill.training.teachers import CachedTeacher
 from tests.fixtures import data_from, make_tokenizer
 
 

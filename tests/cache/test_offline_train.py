@@ -9,7 +9,7 @@ import math
 import pandas as pd
 import pytest
 
-import distill.teachers
+import distill.training.teachers
 from distill.train import train
 from tests.step_check import CACHED_RTOL, assert_first_step_loss, record_first_step
 
@@ -19,7 +19,7 @@ def no_live_teacher(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the offline experiment must not load a teacher model")
 
-    monkeypatch.setattr(distill.teachers.LiveTeacher, "__init__", refuse)
+    monkeypatch.setattr(distill.training.teachers.LiveTeacher, "__init__", refuse)
 
 
 def train_losses(compose_train, cache_dir, out, monkeypatch, teacher, *overrides):

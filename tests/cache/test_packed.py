@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from distill.caching import cache_teacher_logits
-from distill.models import load_tokenizer
-from distill.teachers import CachedTeacher
+from distill.models.causal_lm import load_tokenizer
+from distill.run.cache import cache_teacher_logits
 from distill.train import train
+from distill.training.teachers import CachedTeacher
 from tests.fixtures import data_from
 from tests.step_check import CACHED_RTOL, assert_first_step_loss, record_first_step
 
@@ -86,7 +86,7 @@ def test_cache_job_pads_each_batch_to_its_longest_example(compose_cache, cache_k
                 return batch
             super().__init__(settings, datasets, spied, **kw)
 
-    monkeypatch.setattr("distill.caching.CacheJob", Spy)
+    monkeypatch.setattr("distill.run.cache.CacheJob", Spy)
     cache_teacher_logits(compose_cache(tmp_path / "fresh", "cache.top_k=8", "data.packing=true",
                                        "data.max_length=512"))
     assert widths and widths == longest and max(widths) < 512

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distill.caching import cache_teacher_logits
 from distill.losses import linear_divergence
-from distill.models import final_hidden_states, lm_head, load_causal_lm, load_tokenizer
-from distill.teachers import CachedTeacher, LiveTeacher
+from distill.models.causal_lm import final_hidden_states, lm_head, load_causal_lm, load_tokenizer
+from distill.run.cache import cache_teacher_logits
+from distill.training.teachers import CachedTeacher, LiveTeacher
 from tests.fixtures import data_from
 
 KINDS = [("forward_kl", {}), ("reverse_kl", {}), ("jsd", {"beta": 0.5})]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
-from distill.models import load_tokenizer
+from distill.models.causal_lm import load_tokenizer
 from tests.fixtures import data_from, teacher_from
 
 

@@ -5,7 +5,7 @@ which rebuilding could not help. The val source's examples now have ids of their
 
 from __future__ import annotations
 
-from distill.caching import cache_teacher_logits
+from distill.run.cache import cache_teacher_logits
 from distill.train import train
 
 

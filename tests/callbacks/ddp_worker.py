@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from distill.normalization import POLICIES
+from distill.training.normalization import POLICIES
 from tests.callbacks import proof
 from tests.fixtures import leave_process_group
 

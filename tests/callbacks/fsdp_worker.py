@@ -25,10 +25,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from distill.callbacks import StepTokenCounter
 from distill.data import StepWindows
-from distill.module import DistillModule
-from distill.strategies import DistillFSDP
+from distill.models.strategies import DistillFSDP
+from distill.training.callbacks import StepTokenCounter
+from distill.training.module import DistillModule
 from tests.callbacks import proof
 from tests.fixtures import leave_process_group
 

@@ -17,11 +17,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from distill.callbacks import StepTokenCounter
 from distill.data import StepWindows
-from distill.models import load_causal_lm
-from distill.module import DistillModule
-from distill.teachers import LiveTeacher
+from distill.models.causal_lm import load_causal_lm
+from distill.training.callbacks import StepTokenCounter
+from distill.training.module import DistillModule
+from distill.training.teachers import LiveTeacher
 from tests.oracle import assert_rows_close, oracle_per_token
 
 LOSS = {"kind": "jsd", "beta": 0.3, "ce_weight": 0.2}

@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from distill.callbacks.export import ExportStudent
-from distill.models import load_causal_lm
+from distill.export.callback import ExportStudent
+from distill.models.causal_lm import load_causal_lm
 
 
 def test_gathered_state_dict_with_untied_copies_saves_like_the_model(tiny_assets, tmp_path):
@@ -38,7 +38,7 @@ def test_fsdp_scores_the_exported_student_other_strategies_the_module(tiny_asset
     """After an FSDP fit the module holds flat shards; the report reads the export back."""
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from distill.callbacks.task_eval import trained_student
+    from distill.demo.task_eval import trained_student
 
     class FakeFSDP(FSDPStrategy):  # the type only: no process group, no GPU
         def __init__(self):

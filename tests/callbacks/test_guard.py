@@ -12,8 +12,8 @@ import lightning as L
 import pytest
 import torch
 
-from distill.callbacks.guard import RunInterrupted, TrainingDiverged
 from distill.train import train
+from distill.training.callbacks.guard import RunInterrupted, TrainingDiverged
 from tests.faults import all_finite, windows_state
 
 FAULTS = "tests.faults"

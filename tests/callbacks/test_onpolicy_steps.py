@@ -13,9 +13,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from distill.data import DistillDataModule
-from distill.models import load_tokenizer
-from distill.module import DistillModule
+from distill.models.causal_lm import load_tokenizer
 from distill.onpolicy.rollout import rollout, window_seed
+from distill.training.module import DistillModule
 from tests.callbacks import proof
 from tests.fixtures import child_env
 

@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from distill.callbacks.step_timer import StepTimer
+from bench.step_timer import StepTimer
 from tests.fixtures import load_script
 from tests.test_loggers import _Tiny  # one weight, a loss from the batch, no updates
 

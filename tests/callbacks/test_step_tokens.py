@@ -14,12 +14,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from safetensors.torch import load_file
 
-from distill import normalization
-from distill.callbacks.step_tokens import StepTokenCounter, check_strategy
 from distill.data import DistillDataModule
-from distill.models import load_tokenizer
-from distill.normalization import POLICIES
+from distill.models.causal_lm import load_tokenizer
 from distill.train import train
+from distill.training import normalization
+from distill.training.callbacks.step_tokens import StepTokenCounter, check_strategy
+from distill.training.normalization import POLICIES
 from tests.callbacks import proof
 from tests.fixtures import child_env
 

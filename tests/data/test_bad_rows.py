@@ -162,8 +162,8 @@ def test_local_paths_that_are_not_data_files_are_named(tmp_path):
 
 
 def test_sources_are_opened_and_their_first_rows_checked_without_a_tokenizer(tmp_path):
+    from distill.core.rules import parse
     from distill.data.config import DataConfig
-    from distill.rules import parse
 
     path = write(tmp_path / "d.jsonl", [OK, {"messages": [Q, {"role": "gpt", "content": "4"}]}])
     cfg = parse(DataConfig, {"train": [{"name": "d", "path": str(path)}]}, "data.")
@@ -175,7 +175,7 @@ def test_sources_named_alike_get_example_ids_of_their_own(chatml, tmp_path):
     """The README's example named train and val `mine` alike: their examples shared ids, and
     the teacher cache's index mixed them (`tokens of example 'mine:0' differs`). A val source
     named like a train one now gets ids of its own; two of one split are refused."""
-    from distill.rules import ConfigError
+    from distill.core.rules import ConfigError
 
     a, b = write(tmp_path / "a.jsonl", [OK]), write(tmp_path / "b.jsonl", [OK, OK])
     dm = DistillDataModule(chatml, train=[{"name": "mine", "path": str(a)}],

@@ -7,7 +7,7 @@ import torch
 from distill.data import DistillDataModule, PadCollator
 from distill.data.chat import ChatEncoder
 from distill.data.tokenize import cpt_ids, cpt_windows
-from distill.models import load_tokenizer
+from distill.models.causal_lm import load_tokenizer
 
 
 def test_sft_labels_only_assistant_tokens(tiny_assets):
@@ -123,7 +123,7 @@ def test_setup_inside_a_trainer_pads_for_its_device(tiny_assets, tmp_path):
 def test_a_cached_teachers_collate_pads_for_the_device_too(tiny_assets, tmp_path):
     """A cached teacher wraps the collate (its targets read in the loader); the width rule
     must still reach the padding inside it."""
-    from distill.teachers import TargetsCollate
+    from distill.training.teachers import TargetsCollate
 
     class NoCache:
         def batch_targets(self, batch):

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from distill.data.collate import PadCollator
+from distill.data.masks import batch_masks, local_step_counts
 from distill.data.pack import pack_dataset, pack_rows
 from distill.data.shift import shift_flat, shift_labels
 from distill.losses import linear_divergence
-from distill.models import final_hidden_states, lm_head, load_causal_lm
-from distill.normalization import batch_masks, local_step_counts, token_weights
+from distill.models.causal_lm import final_hidden_states, lm_head, load_causal_lm
+from distill.training.normalization import token_weights
 from tests.fixtures import data_from
 
 
@@ -77,7 +78,7 @@ def test_packed_row_equals_its_documents_alone(tiny_assets, monkeypatch, attn, f
     (the same documents, one per row, padded), under the valid_tokens policy. `flatten`
     takes the flash-attention route (the batch as one (1, B * T) row) on sdpa."""
     if flatten:
-        monkeypatch.setattr("distill.models.uses_flash_attention", lambda model: True)
+        monkeypatch.setattr("distill.models.causal_lm.uses_flash_attention", lambda model: True)
     student = load_causal_lm(str(tiny_assets["student"]), dtype="float32",
                              attn_implementation=attn)
     teacher = load_causal_lm(str(tiny_assets["teacher"]), dtype="float32",
@@ -122,7 +123,7 @@ def test_packed_row_equals_its_documents_alone(tiny_assets, monkeypatch, attn, f
 def test_packing_trains_end_to_end(compose_cfg, monkeypatch):
     """A packed mix (SFT and CPT documents) trains; its first step's loss is the loss of
     each document alone through the models' own forward (tests/step_check.py)."""
-    from distill.models import load_tokenizer
+    from distill.models.causal_lm import load_tokenizer
     from distill.train import train
     from tests.step_check import assert_first_step_loss, record_first_step
 

@@ -86,7 +86,7 @@ def test_a_prompts_source_needs_a_prompt(chatml, tmp_path):
 
 
 def test_config_validator_knows_the_data_keys(compose_cfg):
-    from distill.config import problems
+    from distill.run.config import problems
 
     ok = compose_cfg("+experiment=sft_rkl", "data.assistant_turns=last", "data.cpt_stride=64",
                      "data.train=[{name: p, kind: prompts, path: x.jsonl}]")

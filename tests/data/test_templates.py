@@ -236,7 +236,7 @@ def test_marks_and_prefix_spans_agree_and_train_through_the_cli_path(compose_cfg
     (data.chat_template= a file) as the CLI passes it."""
 
     from distill.data.chat import MARKER
-    from distill.models import load_tokenizer
+    from distill.models.causal_lm import load_tokenizer
     from distill.train import train
     from tests.fixtures import CHAT_TEMPLATE, data_from
 

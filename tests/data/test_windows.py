@@ -44,7 +44,7 @@ def test_bad_stride_is_refused():
 
 
 def test_long_documents_become_windows_with_unique_ids(tiny_assets, tmp_path, caplog):
-    from distill.models import load_tokenizer
+    from distill.models.causal_lm import load_tokenizer
 
     tok = load_tokenizer(str(tiny_assets["teacher"]))
     text = "one two three four five six seven eight nine ten"

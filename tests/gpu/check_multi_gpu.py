@@ -31,8 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from distill.callbacks import StepTokenCounter  # noqa: E402
-from distill.strategies import DistillFSDP  # noqa: E402
+from distill.models.strategies import DistillFSDP  # noqa: E402
+from distill.training.callbacks import StepTokenCounter  # noqa: E402
 
 RANK = int(os.environ.get("RANK", 0))
 ACCELERATOR = "gpu"  # --cpu: DDP on gloo only, to try the checks without GPUs
@@ -57,7 +57,7 @@ def fresh_module(assets: str, lr: float, optimizer: str = "sgd"):
     import copy
     import functools
 
-    from distill.module import DistillModule
+    from distill.training.module import DistillModule
     from tests.callbacks import proof
 
     student, teacher = proof.models(assets)
@@ -103,7 +103,7 @@ def resume(assets: str, tmp: Path, name: str, optimizer: str) -> float:
     from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM
 
-    from distill.callbacks.export import ExportStudent
+    from distill.export.callback import ExportStudent
     from tests.callbacks import proof
 
     def fit(steps, out, ckpt=None, save=False):
@@ -210,7 +210,7 @@ def throughput(devices: int, names: list[str], rows: int, steps: int, warm: int,
     from bench_train_steps import LLAMA, TINY, live_teacher, make_batch
     from torch.utils.data import DataLoader, Dataset
 
-    from distill.module import DistillModule
+    from distill.training.module import DistillModule
 
     class Random(Dataset):
         def __len__(self):

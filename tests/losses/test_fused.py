@@ -226,7 +226,7 @@ def test_a_plain_lm_head_reaches_the_chunk_loop_as_no_head(monkeypatch):
     head a run passes must reach it as None, and a head with extras as itself."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from distill.models import lm_head
+    from distill.models.causal_lm import lm_head
     from distill.ops.spec import HeadTransform
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=53, hidden_size=16, intermediate_size=32,

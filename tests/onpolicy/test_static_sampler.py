@@ -169,7 +169,7 @@ def test_a_tied_head_stays_tied_in_the_copy():
 
 def test_lora_student_decodes_with_its_adapters_merged():
     pytest.importorskip("peft")
-    from distill.lora import LoraConfig, apply_lora
+    from distill.models.lora import LoraConfig, apply_lora
 
     model = apply_lora(tiny("llama"), LoraConfig(**{"r": 4})).train()  # as in training
     with torch.no_grad():

@@ -102,7 +102,7 @@ def test_without_cross_tokenizer_the_pair_is_refused(folders, compose_cfg):
 
 
 def test_packing_is_refused_before_anything_loads(folders, compose_cfg):
-    from distill.config import ConfigError
+    from distill.run.config import ConfigError
 
     with pytest.raises(ConfigError, match="loss.cross_tokenizer=hybrid with data.packing=true"):
         train(compose_cfg("+experiment=hf_sft", "trainer=cpu", "loss.cross_tokenizer=hybrid",
@@ -140,7 +140,7 @@ def test_a_cached_cross_tokenizer_teacher_is_written_once_and_trains(folders, co
     the training run with the same overrides reads it, and one with another teacher
     tokenizer is refused naming the field."""
     from distill.cache.format import CacheMismatch
-    from distill.caching import cache_teacher_logits
+    from distill.run.cache import cache_teacher_logits
 
     common = ["+experiment=hf_sft", "trainer=cpu", "loss.cross_tokenizer=hybrid",
               f"student.name_or_path={folders['llama3']}",
@@ -166,8 +166,8 @@ def test_the_demo_distils_into_a_student_with_a_tokenizer_of_its_own(tmp_path):
     from pathlib import Path
 
     import distill
-    from distill.evaluation import load_examples, task_accuracy
-    from distill.models import load_tokenizer
+    from distill.demo.evaluation import load_examples, task_accuracy
+    from distill.models.causal_lm import load_tokenizer
     from tests.fixtures import load_script
 
     root = Path(__file__).resolve().parents[2]
@@ -175,7 +175,7 @@ def test_the_demo_distils_into_a_student_with_a_tokenizer_of_its_own(tmp_path):
     student = tmp_path / "student"
     script.main(["--out", str(student)])
     bpe = load_tokenizer(str(student))
-    assets = Path(distill.__file__).parent / "demo_assets"
+    assets = Path(distill.__file__).parent / "demo" / "assets"
     chars = load_tokenizer(str(assets / "teacher"))
     assert bpe.tokenize("permute abcdefg") != chars.tokenize("permute abcdefg")
 

@@ -15,7 +15,7 @@ from distill.cache.cross import write_cache
 from distill.cache.format import CacheMismatch
 from distill.data.chat import ChatEncoder
 from distill.data.shift import shift_flat, shift_labels
-from distill.models import final_hidden_states, lm_head
+from distill.models.causal_lm import final_hidden_states, lm_head
 from distill.xtok import PairCollator, PairEncoder, VocabMap, cross_tokenizer_divergence
 from distill.xtok.collate import flat_spans
 from distill.xtok.onpolicy import Retokenizer
