@@ -17,6 +17,8 @@ Pairs (shapes of the public configs; RoPE scaling left out, it does not change s
   qwen:  Qwen2.5-0.5B student (151936 head rows), Qwen2.5-7B teacher (152064 rows),
          tokenizer of 151665 tokens: the heads' padding rows are outside the loss
   gemma: Gemma-2-2B student, Gemma-2-9B teacher, V=256000, logits soft-capped at 30
+  qwen3: Qwen3-0.6B student, Qwen3-8B teacher (q/k norms), V=151936 both, tokenizer of
+         151669 tokens (built with --pairs qwen3; not in the default three)
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from transformers import (
     LlamaConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +60,7 @@ SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 LLAMA = dict(rms_norm_eps=1e-5, max_position_embeddings=8192)
 QWEN = dict(rms_norm_eps=1e-6, max_position_embeddings=32768)
+QWEN3 = dict(rms_norm_eps=1e-6, max_position_embeddings=40960)
 GEMMA = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
              final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
              max_position_embeddings=8192)
@@ -68,6 +72,15 @@ PAIRS = {  # llama and qwen: the training-step benchmark's shapes (bench_train_s
     "qwen": (151665,
              (Qwen2Config, dict(vocab_size=151936, **STEP_QWEN["student"], **QWEN)),
              (Qwen2Config, dict(vocab_size=152064, **STEP_QWEN["teacher"], **QWEN))),
+    "qwen3": (151669,  # Qwen3's tokenizer; both heads have 151936 rows
+              (Qwen3Config, dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                 num_hidden_layers=28, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                                 **QWEN3)),
+              (Qwen3Config, dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                 num_hidden_layers=36, num_attention_heads=32,
+                                 num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                                 **QWEN3))),
     "gemma": (256000,
               (Gemma2Config, dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
                                   num_hidden_layers=26, num_attention_heads=8,
@@ -91,7 +104,7 @@ def shapes(pair: str, tiny: bool) -> tuple[int, dict, dict]:
     for kw, layers in ((student, 1), (teacher, 2)):
         kw = {**kw, **TINY, "num_hidden_layers": layers,
               "vocab_size": small + kw["vocab_size"] - vocab}
-        if cls is not Gemma2Config:
+        if cls not in (Gemma2Config, Qwen3Config):  # these two set head_dim apart from width
             kw.pop("head_dim")
         out.append(cls(**kw))
     return small, *out

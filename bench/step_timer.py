@@ -35,9 +35,14 @@ class StepTimer(L.Callback):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def start(self, step: int = 0) -> None:
+        """The clock starts: the first step's time runs from now. Any trainer's loop can drive
+        the timer through `start`, `step_done` and `write` (bench/peers_trl.py: transformers')."""
         self._sync()
-        self._last, self._seen_step = time.perf_counter(), trainer.global_step
+        self._last, self._seen_step = time.perf_counter(), step
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start(trainer.global_step)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._at_step_end = False
@@ -62,12 +67,18 @@ class StepTimer(L.Callback):
         if trainer.global_step == self._seen_step:
             return  # still inside the step's window
         self._seen_step = trainer.global_step
+        self.step_done(self._step_tokens, self._step_width)
+        self._step_tokens, self._step_width = 0, 0
+
+    def step_done(self, tokens: int, width: int) -> None:
+        """An optimizer step ended now: its time since the last one's end, its tokens and its
+        widest micro-batch; after `warmup` steps the allocator's peak starts afresh."""
         self._sync()
         now = time.perf_counter()
         self.ms.append(1000 * (now - self._last))
-        self.tokens.append(self._step_tokens)
-        self.widths.append(self._step_width)
-        self._last, self._step_tokens, self._step_width = now, 0, 0
+        self.tokens.append(tokens)
+        self.widths.append(width)
+        self._last = now
         self._at_step_end = True
         if len(self.ms) == self.warmup and torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -85,7 +96,10 @@ class StepTimer(L.Callback):
             out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         return out
 
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.summary(), indent=1))
+
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(self.summary(), indent=1))
+            self.write()
