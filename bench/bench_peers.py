@@ -1,7 +1,7 @@
 """distill beside TRL on the same jobs: on-policy against `DistillationTrainer`, off-policy
 against `GKDTrainer` (lmbda 0), for a Llama pair and a Qwen3 pair.
 
-    python bench/bench_peers.py --out $OUT/peers --budget-s 540      # GPU: both pairs
+    python bench/bench_peers.py --out $OUT/peers --budget-s 520      # GPU: both pairs
     python bench/bench_peers.py --out $OUT/peers --pairs qwen3       # GPU: one pair a call
     python bench/bench_peers.py --out /tmp/peers --tiny              # CPU: tiny shapes
 
@@ -32,14 +32,15 @@ those steps. The tokens a step (prompt + answer, padding excluded) show that bot
 same work. Prints one table per pair last; writes peers.json (after every run) and each
 run's log under --out.
 
-Time plan on one H200, from the single runs measured so far (llama): a pair's build (the
-8B teacher initialized on the GPU, ~16 GB of safetensors written) ~40 s; each run ~25-35 s
-of start and loading (the page cache serves the folders) plus its steps: distill on-policy
-8 x 0.8 s, TRL on-policy 8 x 4.8 s, distill off-policy 8 x 0.9 s, GKD 8 x 1.6 s. About
-250 s a pair; the qwen3 pair's TRL generate is slower (28 layers to Llama's 16).
-`--budget-s` bounds the whole call: a run that would start with less than
+Time plan on one H200 (from this repository's earlier runs on the llama pair): a pair's
+build ~20 s (the 8B teacher initialized on the GPU, ~16 GB of safetensors written; the
+page cache then serves the four loads); each run ~35-45 s of start-up (Python, Lightning or
+the Trainer, loading both models) plus its steps: distill on-policy 8 x ~0.8 s, TRL
+on-policy 8 x ~4.8 s, distill off-policy 8 x ~0.9 s, GKD 8 x ~1.6 s. About 250 s for the
+llama pair, somewhat more for qwen3 (TRL's generate through 28 layers to Llama's 16): ~530 s
+for both. `--budget-s` bounds the whole call: a run that would start with less than
 `--min-run-s` left is reported as not run, and each run's limit is the smaller of
-`--timeout` and what is left. `--pairs` splits the pairs over calls.
+`--timeout` and what is left. `--pairs llama` / `--pairs qwen3` split the pairs over calls.
 """
 
 from __future__ import annotations
