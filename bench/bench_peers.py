@@ -59,7 +59,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-TIMER = "distill.callbacks.step_timer.StepTimer"
+TIMER = "bench.step_timer.StepTimer"
 PAIRS = {"llama": "Llama-3.2-1B-shaped student, Llama-3.1-8B-shaped teacher",
          "qwen3": "Qwen3-0.6B-shaped student, Qwen3-8B-shaped teacher"}
 # (job, trainer) -> what the table calls it

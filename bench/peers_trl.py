@@ -29,7 +29,7 @@ from transformers import AutoTokenizer, TrainerCallback
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from distill.callbacks.step_timer import StepTimer  # noqa: E402
+from bench.step_timer import StepTimer  # noqa: E402
 
 
 class HFStepTimer(TrainerCallback):

@@ -142,7 +142,7 @@ def test_the_gpu_commands_distill_runs_are_valid_configs(tmp_path):
 
     import distill.train  # noqa: F401  (the resolvers)
     from bench import bench_peers as peers
-    from distill.config import parse
+    from distill.run.config import parse
     words = doc_command("--budget-s")
     args = words[2:] + ["--dry-run", "--out", str(tmp_path / "out"),
                         "--root", str(tmp_path / "root")]
